@@ -158,6 +158,11 @@ pub enum StoreErrorKind {
     /// The database reports its storage damaged (SQLite's SQLITE_CORRUPT): no retry can
     /// succeed, and each would publish again what it cannot ack.
     Corrupt,
+    /// The database refused a row the statement wrote or deleted: a constraint (a foreign
+    /// key from an application's table to an outbox row, a unique or check constraint) or a
+    /// trigger's exception. Retried; a settle of several rows that fails so is split, row
+    /// by row at the end, so that the one row refused holds back no other.
+    RowRefused,
     /// Any other failure of a statement.
     Query,
 }
@@ -167,10 +172,12 @@ impl StoreErrorKind {
     pub fn is_retryable(self) -> bool {
         matches!(
             self,
-            StoreErrorKind::Connection | StoreErrorKind::Conflict | StoreErrorKind::Query
+            StoreErrorKind::Connection
+                | StoreErrorKind::Conflict
+                | StoreErrorKind::RowRefused
+                | StoreErrorKind::Query
         )
     }
-
     /// What an operator should do about it.
     pub fn hint(self) -> &'static str {
         match self {
@@ -182,6 +189,7 @@ impl StoreErrorKind {
             StoreErrorKind::Corrupt => "stop writing to the database and recover it (`sqlite3 FILE .recover`, or restore a backup); events published but not acked are sent again once it is sound",
             StoreErrorKind::SchemaMismatch => "restore the column's type as `outbox-relay migrate --print` shows it; `outbox-relay check` lists every column that differs, with the ALTER TABLE that restores it",
             StoreErrorKind::SchemaVersion => "run `outbox-relay migrate` if the schema is older than the relay needs; upgrade the relay if it is newer",
+            StoreErrorKind::RowRefused => "a constraint or trigger on the table refuses the row named (a foreign key from another table to it, a check, a trigger's exception): change or drop it; the relay retries that row meanwhile, and the others go on",
             StoreErrorKind::Query => "see the database's message; `outbox-relay check` verifies the tables",
         }
     }

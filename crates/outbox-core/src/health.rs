@@ -97,6 +97,21 @@ struct CheckState {
     last_failed: Option<Instant>,
     /// Attempts waiting for an answer, by attempt number: when each started.
     waiting: BTreeMap<u64, Instant>,
+    /// Work retried by its owner that has not succeeded since it first failed
+    /// ([`Failing`]), by number: since when, and its latest error.
+    retried: BTreeMap<u64, (Instant, String)>,
+}
+
+impl CheckState {
+    /// The oldest failure still unmended: the check's last verdict, or a piece of work
+    /// retried since it first failed, whatever other attempts succeeded meanwhile.
+    fn failure(&self) -> Option<&(Instant, String)> {
+        let retried = self.retried.values().min_by_key(|(since, _)| *since);
+        match (&self.failing, retried) {
+            (Some(last), Some(retried)) if retried.0 < last.0 => Some(retried),
+            (last, retried) => last.as_ref().or(retried),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -139,6 +154,37 @@ impl Attempt {
         let since = check.failing.take().map_or_else(Instant::now, |(s, _)| s);
         check.failing = Some((since, error.into()));
         first
+    }
+}
+
+/// A piece of work its owner retries until it succeeds (one settle statement): its check
+/// counts as failing from the first [`Failing::failed`] until this is dropped, however
+/// other attempts of the check go meanwhile. One row's ack refused for good, beside a
+/// stream of other rows acked, turned `/readyz` red and green by turns.
+pub struct Failing {
+    health: Arc<Health>,
+    check: Check,
+    id: u64,
+}
+
+impl Failing {
+    pub fn failed(&self, error: &str) {
+        let mut state = self.health.state();
+        let check = state.checks.entry(self.check).or_default();
+        let entry = check
+            .retried
+            .entry(self.id)
+            .or_insert_with(|| (Instant::now(), String::new()));
+        entry.1 = error.to_string();
+    }
+}
+
+impl Drop for Failing {
+    fn drop(&mut self) {
+        let mut state = self.health.state();
+        if let Some(check) = state.checks.get_mut(&self.check) {
+            check.retried.remove(&self.id);
+        }
     }
 }
 
@@ -200,6 +246,18 @@ impl Health {
             health: self.clone(),
             check,
             id,
+        }
+    }
+
+    /// A piece of work of `check` that its owner will retry until it succeeds; it fails
+    /// `check` from its first [`Failing::failed`] until dropped.
+    pub fn failing(self: &Arc<Self>, check: Check) -> Failing {
+        let mut state = self.state();
+        state.next_attempt += 1;
+        Failing {
+            health: self.clone(),
+            check,
+            id: state.next_attempt,
         }
     }
 
@@ -267,7 +325,7 @@ impl Health {
             let state = self.state();
             assigned = state.assigned;
             for (check, c) in state.checks.iter().filter(|(check, _)| check.is_work()) {
-                if let Some((since, error)) = &c.failing {
+                if let Some((since, error)) = c.failure() {
                     let lasting = now.saturating_duration_since(*since);
                     if lasting < check.grace() {
                         continue;
@@ -385,6 +443,31 @@ mod tests {
             .troubles(Instant::now(), Duration::from_secs(10))
             .is_empty());
         assert!(health.last_success(Check::Leases).is_some());
+    }
+
+    /// One settle retried for good (a row a foreign key refuses) beside others that
+    /// succeed: the check stays failing, named by the retried one's error, until it ends.
+    #[test]
+    fn retried_work_keeps_its_check_failing_whatever_else_succeeds() {
+        let health = Health::new();
+        let stall = Duration::from_secs(10);
+        let retried = health.failing(Check::Settle);
+        assert!(health.troubles(Instant::now(), stall).is_empty());
+        retried.failed("ack of row 7: violates foreign key constraint");
+        health
+            .begin(Check::Settle)
+            .failed("ack of row 7: violates foreign key constraint");
+        health.begin(Check::Settle).succeeded();
+        let troubles = health.troubles(Instant::now(), stall);
+        assert_eq!(troubles.len(), 1, "{troubles:?}");
+        assert!(troubles[0].detail.contains("row 7"), "{troubles:?}");
+        // A later failure of other work does not hide since when this one has failed.
+        health.begin(Check::Settle).failed("ack: connection reset");
+        let later = Instant::now() + Duration::from_secs(3);
+        assert!(health.troubles(later, stall)[0].detail.contains("row 7"));
+        health.begin(Check::Settle).succeeded();
+        drop(retried);
+        assert!(health.troubles(Instant::now(), stall).is_empty());
     }
 
     #[test]

@@ -37,7 +37,7 @@ use outbox_core::store::{
 use outbox_core::trace::{SettleKind, Span};
 use outbox_core::{
     Backoff, Event, Fence, Health, NodeId, OutboxStore, Ownership, PublishError, PublishErrorKind,
-    Publisher, RetryDecision, SequenceId, StoreError, Telemetry,
+    Publisher, RetryDecision, SequenceId, StoreError, StoreErrorKind, Telemetry,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -152,17 +152,55 @@ pub enum DrainEnd {
 /// A finished settle statement.
 enum Settled {
     Acked(Vec<Acked>, StoreResult<u64>),
-    Retried(SettledRows),
-    DeadLettered(SettledRows),
+    Retried(SettledRows<RetryLater>),
+    DeadLettered(SettledRows<DeadLetter>),
     Released(Vec<SequenceId>, StoreResult<u64>),
     Extended(StoreResult<u64>),
 }
 
-/// The rows a retry or dead-letter statement settled, and how it went.
-struct SettledRows {
+/// The rows a retry or dead-letter statement settled (each beside its lane), and how it
+/// went.
+struct SettledRows<T> {
     lanes: Vec<SettledLane>,
-    ids: Vec<SequenceId>,
+    rows: Vec<T>,
     result: StoreResult<u64>,
+}
+
+impl<T> SettledRows<T> {
+    /// The second half of the rows and their lanes, split off ([`refused_a_row`]).
+    fn split_off_half(&mut self) -> (Vec<SettledLane>, Vec<T>) {
+        let mid = self.rows.len() / 2;
+        (self.lanes.split_off(mid), self.rows.split_off(mid))
+    }
+}
+
+/// What a settle statement covers, for [`persist`].
+#[derive(Clone, Copy, Debug)]
+enum Covers {
+    /// One row, named in the log lines of its retries.
+    Row(SequenceId),
+    /// Several: a refusal of one of them ([`StoreErrorKind::RowRefused`]) ends the attempt,
+    /// and the engine settles the halves apart ([`refused_a_row`]).
+    Rows,
+    /// Rows never split (a release, retried whole).
+    Whole,
+}
+
+impl Covers {
+    fn of(ids: &[SequenceId]) -> Covers {
+        match ids {
+            [id] => Covers::Row(*id),
+            _ => Covers::Rows,
+        }
+    }
+}
+
+/// A settle of several rows that the database refused for one row's sake (a foreign key
+/// from an application's table to an outbox row, a trigger): tried again whole, it held
+/// every other row of its batch, of every key, for as long as the row stayed refused. Its
+/// halves are settled apart instead, down to the one row, which alone waits, retried.
+fn refused_a_row(rows: usize, result: &StoreResult<u64>) -> bool {
+    rows > 1 && matches!(result, Err(e) if e.kind() == StoreErrorKind::RowRefused)
 }
 
 /// The lane of a settled row, and its destination (its metrics' label).
@@ -211,10 +249,16 @@ impl Default for OwnershipSeen {
 /// supervisor's restarts published the pending events again at every start (the grants
 /// `run` checks at start do not cover a trigger or a policy a DBA adds on the outbox);
 /// retried, nothing goes out twice, `/readyz` says why, and a grant given back mends it.
-/// A drain (`outlast_refusals` false) ends on it instead, as a cron job must.
+/// A drain (`outlast_refusals` false) ends on it instead, as a cron job must, and on a row
+/// the database refuses (a foreign key to it) once it is the statement's only row.
+///
+/// While it retries, `/readyz` says so ([`Health::failing`]), whatever other settles
+/// succeed meanwhile: one row refused for good, beside a stream of others acked, turned
+/// `/readyz` red and green by turns.
 async fn persist<F>(
     health: Arc<Health>,
     what: &'static str,
+    covers: Covers,
     outlast_refusals: bool,
     mut op: F,
 ) -> StoreResult<u64>
@@ -222,24 +266,41 @@ where
     F: FnMut() -> StoreFuture<u64>,
 {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
+    let mut failing = None;
     loop {
         let attempt = health.begin(Check::Settle);
         let result = op().await;
         match &result {
             Ok(_) => attempt.succeeded(),
             Err(e) => {
-                attempt.failed(format!("{what}: {}", e.report()));
+                let error = match covers {
+                    Covers::Row(id) => format!("{what} of row {id}: {}", e.report()),
+                    _ => format!("{what}: {}", e.report()),
+                };
+                failing
+                    .get_or_insert_with(|| health.failing(Check::Settle))
+                    .failed(&error);
+                attempt.failed(error);
             }
         }
         match result {
             Ok(n) => return Ok(n),
+            Err(e) if matches!(covers, Covers::Rows) && e.kind() == StoreErrorKind::RowRefused => {
+                return Err(e)
+            }
             Err(e)
-                if e.is_retryable()
-                    || (outlast_refusals && e.kind() == outbox_core::StoreErrorKind::Privilege) =>
+                if match e.kind() {
+                    StoreErrorKind::Privilege | StoreErrorKind::RowRefused => outlast_refusals,
+                    _ => e.is_retryable(),
+                } =>
             {
                 let retry_in = backoff.next_delay();
                 ::metrics::counter!(metrics::STORE_ERRORS, "operation" => what).increment(1);
-                tracing::warn!(operation = what, error = %e.report(), ?retry_in, "store write failed; retrying");
+                let row = match covers {
+                    Covers::Row(id) => Some(id),
+                    _ => None,
+                };
+                tracing::warn!(operation = what, row, error = %e.report(), ?retry_in, "store write failed; retrying");
                 tokio::time::sleep(retry_in).await;
             }
             Err(e) => return Err(e),
@@ -363,7 +424,7 @@ impl Engine {
     fn spawn_fenced_settle<T: Clone + Send + Sync + 'static>(
         &mut self,
         what: &'static str,
-        (kind, count): (SettleKind, usize),
+        (kind, covers, count): (SettleKind, Covers, usize),
         rows: T,
         op: FencedSettle<T>,
         settled: impl FnOnce(StoreResult<u64>) -> Settled + Send + 'static,
@@ -379,7 +440,7 @@ impl Engine {
         self.spawn_settle(
             async move {
                 let start = telemetry.as_ref().map(|_| SystemTime::now());
-                let result = persist(health, what, outlast_refusals, || {
+                let result = persist(health, what, covers, outlast_refusals, || {
                     op(&*store, holder.clone(), rows.clone())
                 })
                 .await;
@@ -403,7 +464,7 @@ impl Engine {
         let outlast_refusals = !self.config.drain;
         self.spawn_settle(
             async move {
-                let result = persist(health, "release", outlast_refusals, || {
+                let result = persist(health, "release", Covers::Whole, outlast_refusals, || {
                     store.release(node.clone(), ids.clone())
                 })
                 .await;
@@ -571,10 +632,16 @@ impl Engine {
         let ids: Vec<SequenceId> = rows.iter().map(|r| r.sequence_id).collect();
         self.spawn_fenced_settle(
             "dead-letter",
-            (SettleKind::DeadLetter, rows.len()),
-            rows,
+            (SettleKind::DeadLetter, Covers::of(&ids), rows.len()),
+            rows.clone(),
             |store, holder, rows| store.dead_letter(holder, rows),
-            |result| Settled::DeadLettered(SettledRows { lanes, ids, result }),
+            |result| {
+                Settled::DeadLettered(SettledRows {
+                    lanes,
+                    rows,
+                    result,
+                })
+            },
         );
     }
 
@@ -763,7 +830,7 @@ impl Engine {
         let ids: Vec<SequenceId> = acked.iter().map(|a| a.sequence_id).collect();
         self.spawn_fenced_settle(
             "ack",
-            (SettleKind::Ack, ids.len()),
+            (SettleKind::Ack, Covers::of(&ids), ids.len()),
             ids,
             |store, holder, ids| store.ack(holder, ids),
             |result| Settled::Acked(acked, result),
@@ -778,12 +845,25 @@ impl Engine {
         // A retry statement releases its rows: a claim may take them again (once due)
         // before this reports back.
         self.lanes.releasing(&ids);
+        self.spawn_retry(lanes, retries);
+    }
+
+    /// The retry statement of rows already marked releasing (a split one's halves are not
+    /// marked again: each release counts its statements).
+    fn spawn_retry(&mut self, lanes: Vec<SettledLane>, retries: Vec<RetryLater>) {
+        let ids: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
         self.spawn_fenced_settle(
             "retry",
-            (SettleKind::Retry, retries.len()),
-            retries,
+            (SettleKind::Retry, Covers::of(&ids), retries.len()),
+            retries.clone(),
             |store, holder, retries| store.retry_later(holder, retries),
-            |result| Settled::Retried(SettledRows { lanes, ids, result }),
+            |result| {
+                Settled::Retried(SettledRows {
+                    lanes,
+                    rows: retries,
+                    result,
+                })
+            },
         );
     }
 
@@ -811,6 +891,27 @@ impl Engine {
             self.claims.want();
         }
         match settled {
+            Settled::Acked(mut acked, result) if refused_a_row(acked.len(), &result) => {
+                tracing::debug!(
+                    rows = acked.len(),
+                    "a row of the ack was refused; acking its halves apart"
+                );
+                let back = acked.split_off(acked.len() / 2);
+                self.ack(acked);
+                self.ack(back);
+            }
+            Settled::Retried(mut settled) if refused_a_row(settled.rows.len(), &settled.result) => {
+                let (lanes, rows) = settled.split_off_half();
+                self.spawn_retry(settled.lanes, settled.rows);
+                self.spawn_retry(lanes, rows);
+            }
+            Settled::DeadLettered(mut settled)
+                if refused_a_row(settled.rows.len(), &settled.result) =>
+            {
+                let (lanes, rows) = settled.split_off_half();
+                self.dead_letter(settled.lanes, settled.rows);
+                self.dead_letter(lanes, rows);
+            }
             Settled::Acked(acked, result) => {
                 let n = result?;
                 self.fenced("ack", acked.len(), n);
@@ -823,7 +924,12 @@ impl Engine {
                 let ids: Vec<SequenceId> = acked.iter().map(|a| a.sequence_id).collect();
                 self.lanes.forget(&ids);
             }
-            Settled::Retried(SettledRows { lanes, ids, result }) => {
+            Settled::Retried(SettledRows {
+                lanes,
+                rows,
+                result,
+            }) => {
+                let ids: Vec<SequenceId> = rows.iter().map(|r| r.sequence_id).collect();
                 let n = result?;
                 self.fenced("retry", ids.len(), n);
                 for lane in &lanes {
@@ -834,7 +940,12 @@ impl Engine {
                 self.summary.retried += ids.len() as u64;
                 self.lanes.forget_released(&ids, self.claims.started);
             }
-            Settled::DeadLettered(SettledRows { lanes, ids, result }) => {
+            Settled::DeadLettered(SettledRows {
+                lanes,
+                rows,
+                result,
+            }) => {
+                let ids: Vec<SequenceId> = rows.iter().map(|r| r.sequence_id).collect();
                 let n = result?;
                 self.fenced("dead-letter", ids.len(), n);
                 if (n as usize) < ids.len() {

@@ -82,6 +82,10 @@ pub fn classify(error: &mysql_async::Error) -> StoreErrorKind {
             // mends it.
             1045 | 1049 | 1130 | 1251 | 1698 | 3159 => StoreErrorKind::Config,
             1205 | 1213 => StoreErrorKind::Conflict,
+            // A row refused: a foreign key (1451 to a deleted row, 1452 from an inserted
+            // one), a duplicate key, a NULL or a value a column refuses, a check constraint
+            // (MySQL 3819, MariaDB 4025), a trigger's SIGNAL (1644).
+            1048 | 1062 | 1406 | 1451 | 1452 | 1644 | 3819 | 4025 => StoreErrorKind::RowRefused,
             // MySQL 8's ER_CLIENT_INTERACTION_TIMEOUT (4031) ends an idle session, as 2013
             // does on older servers.
             1040 | 1053 | 2006 | 2013 | 1927 | 4031 => StoreErrorKind::Connection,

@@ -33,6 +33,10 @@ pub fn classify(error: &tokio_postgres::Error) -> StoreErrorKind {
         || *code == SqlState::LOCK_NOT_AVAILABLE
     {
         StoreErrorKind::Conflict
+    } else if code.code().starts_with("23") || *code == SqlState::RAISE_EXCEPTION {
+        // Integrity constraints (a foreign key to an outbox row) and a trigger's plain
+        // RAISE EXCEPTION: about a row, which the settles split out.
+        StoreErrorKind::RowRefused
     } else if code.code().starts_with("08")
         || code.code().starts_with("57")
         || *code == SqlState::TOO_MANY_CONNECTIONS

@@ -261,6 +261,8 @@ fn sql_error(context: &str, error: rusqlite::Error) -> StoreError {
         Some(ErrorCode::CannotOpen | ErrorCode::NotADatabase) => StoreErrorKind::Config,
         Some(ErrorCode::ReadOnly | ErrorCode::PermissionDenied) => StoreErrorKind::Privilege,
         Some(ErrorCode::DatabaseCorrupt) => StoreErrorKind::Corrupt,
+        // A foreign key, a unique or check constraint, a trigger's RAISE(ABORT).
+        Some(ErrorCode::ConstraintViolation) => StoreErrorKind::RowRefused,
         _ if error.to_string().contains("no such table") => StoreErrorKind::MissingSchema,
         _ => StoreErrorKind::Query,
     };

@@ -78,6 +78,9 @@ pub trait Harness: Send + Sync {
     fn table(&self) -> &str;
     /// Runs SQL on the database (rows and schema changes the store's API cannot make).
     fn execute<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, ()>;
+    /// Makes the database refuse to delete row `id` (`Some`), as an application's foreign
+    /// key to it would, or lets every row go again (`None`).
+    fn refuse_deleting(&self, id: Option<SequenceId>) -> BoxFuture<'_, ()>;
     /// The store's partition leases, for stores that have them (the `owned_partitions` cases).
     fn partitions(&self) -> Option<Arc<dyn PartitionRegistry>> {
         None
@@ -118,6 +121,7 @@ macro_rules! store_conformance {
             undecodable_rows_are_claimed_for_dead_lettering, ack_deletes_or_retains,
             release_makes_rows_claimable, release_unheld_frees_the_rows_the_node_does_not_hold,
             node_registry, engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
+            engine_a_row_the_database_refuses_to_delete_holds_back_no_other,
             engine_runs_of_a_key_keep_their_order_through_failures,
             engine_unordered_events_held_back_by_the_sink_go_out_again_unretried,
             engine_dead_letters_after_max_attempts_and_moves_on,
@@ -1212,6 +1216,48 @@ pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {
         "fast key waited for the slow key's retries"
     );
     assert_eq!(attempts_of(&publisher, seq[0]), 3);
+}
+
+/// A row the database refuses to delete (an application's table keeps a foreign key to
+/// it): the ack of its batch failed whole and was retried whole, so the batch's other rows,
+/// of every key, stayed in the table (published again at the next start). The ack is now
+/// split down to the one row, which alone waits, and goes once the refusal ends.
+pub async fn engine_a_row_the_database_refuses_to_delete_holds_back_no_other(h: &dyn Harness) {
+    let store = h.store();
+    let keys = ["a", "b", "c", "d"];
+    let events = (0..20)
+        .map(|n| event("d", Some(keys[n % 4]), "t", n))
+        .collect();
+    let seq = store.insert(events).await.unwrap();
+    let refused = seq[9];
+    h.refuse_deleting(Some(refused)).await;
+    let publisher = RecordingPublisher::new();
+    let (engine, stop_tx) = spawn_engine(store.clone(), &publisher, engine_config(false));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    for &id in seq.iter().filter(|&&id| id != refused) {
+        while h.row_state(id).await.is_some() {
+            assert!(
+                tokio::time::Instant::now() < deadline && !engine.is_finished(),
+                "row {id} is still in the table beside the refused row {refused}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert!(h.row_state(refused).await.is_some());
+    h.refuse_deleting(None).await;
+    while h.row_state(refused).await.is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline && !engine.is_finished(),
+            "the refused row {refused} stayed once let go"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop_tx.send(()).unwrap();
+    let summary = engine.await.unwrap().unwrap();
+    assert_eq!(summary.published, 20);
+    let delivered = publisher.delivered();
+    assert_eq!(delivered.len(), 20, "each event published once");
+    assert_per_key_order(&delivered);
 }
 
 /// A shutdown whose deadline passes while an event is still with the sink (a broker that

@@ -212,7 +212,7 @@ fn refused_statement(e: &mysql_async::Error) -> bool {
     matches!(e, mysql_async::Error::Server(_))
         && matches!(
             outbox_store_mysql::classify(e),
-            StoreErrorKind::Query | StoreErrorKind::Privilege
+            StoreErrorKind::RowRefused | StoreErrorKind::Query | StoreErrorKind::Privilege
         )
 }
 

@@ -812,3 +812,96 @@ async fn an_ack_refused_for_a_privilege_is_retried_without_exiting_or_publishing
     assert!(node.terminate().await.success(), "{}", node.logs());
     assert_eq!(read_lines(&sink).len(), 3, "each event published once");
 }
+
+/// A row the database refuses to delete (an application's table keeps a foreign key to its
+/// outbox row): its ack failed whole and was retried whole, so every other row of the
+/// batch, of every key, stayed in the table, to be published again at the next start, and
+/// `/readyz` turned green whenever another settle succeeded. The batch is now acked in
+/// halves down to the one row, which alone waits; `/readyz` stays red while it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_a_foreign_key_keeps_holds_back_no_other_row_of_its_ack() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate_with(&url, &[]);
+    let db = pg(&url).await;
+    db.batch_execute(
+        "CREATE TABLE orders (id int PRIMARY KEY, event bigint REFERENCES outbox (sequence_id));",
+    )
+    .await
+    .unwrap();
+    // One transaction: the relay's first claim takes them all, one ack batch.
+    db.batch_execute(
+        "BEGIN;
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+           SELECT 'd', 'k' || (n % 5), 't', '{}' FROM generate_series(1, 20) n;
+         INSERT INTO orders SELECT 1, min(sequence_id) + 7 FROM outbox;
+         COMMIT;",
+    )
+    .await
+    .unwrap();
+    let kept: i64 = db
+        .query_one("SELECT event FROM orders", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let dir = tempfile::tempdir().unwrap();
+    let sink_path = dir.path().join("out.jsonl");
+    let sink = format!("file:{}", sink_path.display());
+    let mut node = RelayProcess::spawn(
+        dir.path(),
+        "relay",
+        &crate::support::run_serving(&sink, &["--database-url", &url, "--poll-interval", "100ms"]),
+        &[],
+    );
+    let addr = crate::support::http_addr(&node).await;
+    eventually_explained(
+        "every row but the one kept deleted",
+        Duration::from_secs(60),
+        || node.logs(),
+        || async {
+            let left: Vec<i64> = db
+                .query("SELECT sequence_id FROM outbox", &[])
+                .await
+                .ok()?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            (left == [kept]).then_some(())
+        },
+    )
+    .await;
+    let said =
+        crate::support::readyz(&node, &addr, 503, "foreign key", Duration::from_secs(30)).await;
+    assert!(said.contains(&format!("row {kept}")), "{said}");
+    // Other keys' rows go on while it waits, and their acks leave /readyz red.
+    send(&url, "other").await;
+    eventually_explained(
+        "the later row acked",
+        Duration::from_secs(60),
+        || node.logs(),
+        || async {
+            let left: i64 = db
+                .query_one("SELECT count(*) FROM outbox", &[])
+                .await
+                .ok()?
+                .get(0);
+            (left == 1).then_some(())
+        },
+    )
+    .await;
+    let (status, body) = crate::support::http_get(&addr, "/readyz").await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    db.batch_execute("DELETE FROM orders").await.unwrap();
+    crate::support::readyz(&node, &addr, 200, "", Duration::from_secs(30)).await;
+    let left: i64 = db
+        .query_one("SELECT count(*) FROM outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0);
+    assert!(node.terminate().await.success(), "{}", node.logs());
+    assert_eq!(
+        read_lines(&sink_path).len(),
+        21,
+        "each event published once"
+    );
+}

@@ -122,6 +122,24 @@ impl Harness for MySqlHarness {
         .boxed()
     }
 
+    /// A trigger's SIGNAL, as MariaDB's foreign keys need the referencing column's exact type.
+    fn refuse_deleting(&self, id: Option<SequenceId>) -> BoxFuture<'_, ()> {
+        let sql = match id {
+            Some(id) => format!(
+                "CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox FOR EACH ROW
+                 IF OLD.sequence_id = {id} THEN
+                   SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'an order refers to this event';
+                 END IF"
+            ),
+            None => "DROP TRIGGER refuse_delete".into(),
+        };
+        async move {
+            let mut conn = self.pool.get_conn().await.unwrap();
+            conn.query_drop(sql).await.unwrap();
+        }
+        .boxed()
+    }
+
     /// `created_at` is a `datetime(6)`: MariaDB refuses a time outside the years 1000 to 9999
     /// at insert, so only the early ones are odd here.
     fn odd_created_at(&self) -> Vec<OddTime> {

@@ -135,6 +135,18 @@ where
         async move { self.client.batch_execute(sql).await.unwrap() }.boxed()
     }
 
+    fn refuse_deleting(&self, id: Option<SequenceId>) -> BoxFuture<'_, ()> {
+        let sql = match id {
+            Some(id) => format!(
+                "CREATE TABLE IF NOT EXISTS orders (event bigint REFERENCES {} (sequence_id));
+                 INSERT INTO orders VALUES ({id});",
+                self.table
+            ),
+            None => "DELETE FROM orders".into(),
+        };
+        async move { self.client.batch_execute(&sql).await.unwrap() }.boxed()
+    }
+
     fn partitions(&self) -> Option<Arc<dyn PartitionRegistry>> {
         self.partitions.clone()
     }
@@ -312,6 +324,7 @@ mod mapped {
         release_makes_rows_claimable, release_unheld_frees_the_rows_the_node_does_not_hold,
         engine_a_claim_whose_answer_was_lost_keeps_its_key_in_order,
         engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
+        engine_a_row_the_database_refuses_to_delete_holds_back_no_other,
         engine_dead_letters_after_max_attempts_and_moves_on,
         engine_dead_letters_permanent_errors_and_undecodable_rows,
         engine_unordered_retries_and_dead_letters_go_out_again,

@@ -95,6 +95,20 @@ impl Harness for SqliteHarness {
         async {}.boxed()
     }
 
+    /// A trigger's RAISE: the relay's connections do not turn foreign keys on.
+    fn refuse_deleting(&self, id: Option<SequenceId>) -> BoxFuture<'_, ()> {
+        let sql = match id {
+            Some(id) => format!(
+                "CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox
+                   WHEN OLD.sequence_id = {id}
+                   BEGIN SELECT RAISE(ABORT, 'an order refers to this event'); END;"
+            ),
+            None => "DROP TRIGGER refuse_delete".into(),
+        };
+        self.conn.lock().unwrap().execute_batch(&sql).unwrap();
+        async {}.boxed()
+    }
+
     /// `created_at` is milliseconds since 1970; SQLite holds any integer, or text.
     fn odd_created_at(&self) -> Vec<OddTime> {
         const OUTSIDE: &str = "outside the years 1 to 9999";

@@ -434,7 +434,10 @@ const REFUSED_KEYS_PER_FLUSH: usize = 16;
 /// conflict, retried whole. A refused privilege stopped the relay: restarted by its
 /// supervisor, it sent the same events again and stopped again, the slot never moving.
 fn refused_park(e: &StoreError) -> bool {
-    matches!(e.kind(), StoreErrorKind::Query | StoreErrorKind::Privilege)
+    matches!(
+        e.kind(),
+        StoreErrorKind::RowRefused | StoreErrorKind::Query | StoreErrorKind::Privilege
+    )
 }
 
 /// What one park statement did.
