@@ -561,12 +561,21 @@ pub async fn server_problems(url: &str, database: &str) -> Result<Vec<Problem>> 
     }
     for (variable, value) in metadata {
         if !value.eq_ignore_ascii_case("FULL") {
+            // MINIMAL logs the columns' character sets, NO_LOG nothing.
+            let charsets = match value.eq_ignore_ascii_case("MINIMAL") {
+                true => "",
+                false => {
+                    ", and no character set: rows written before an ALTER TABLE … CONVERT \
+                     TO CHARACTER SET and read after it (after a restart) are read in the \
+                     new one, garbled"
+                }
+            };
             problems.push(Problem::advisory(
                 format!(
                     "{variable} is {value}: the binary log names no column, so an ALTER TABLE \
                      of the outbox that swaps two columns of one type while rows are unread \
                      is not seen (a changed count or type is), and their values would be \
-                     read under each other's names"
+                     read under each other's names{charsets}"
                 ),
                 format!("SET GLOBAL {variable} = 'FULL' and put it in the server's configuration"),
             ));

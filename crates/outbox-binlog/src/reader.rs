@@ -13,14 +13,15 @@
 //! - The GTID state at every place read is kept, so each position names its place on any
 //!   server of the replication topology ([`gtid`]).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
-use mysql_async::binlog::events::OptionalMetadataField;
 use mysql_async::binlog::events::{
     Event, EventData, RowsEventData, TableMapEvent, TransactionPayloadEvent,
 };
+use mysql_async::binlog::events::{OptionalMetaExtractor, OptionalMetadataField};
 use mysql_async::binlog::value::BinlogValue;
 use mysql_async::consts::ColumnType;
 use mysql_async::prelude::Queryable;
@@ -391,6 +392,8 @@ pub struct BinlogReader {
     kinds: Vec<ColumnKind>,
     /// Each column's `DATA_TYPE`, to compare with the types a table map logs.
     data_types: Vec<String>,
+    /// The server's character set of each collation id, for the ones table maps log.
+    collations: Arc<HashMap<u16, String>>,
     /// The outbox's table id whose table map was found to match the table as described:
     /// an `ALTER TABLE` gives the table a new id, whose map is compared again.
     matched_table_id: Option<u64>,
@@ -730,6 +733,7 @@ impl BinlogReader {
             columns: Arc::new(layout.columns),
             kinds: layout.kinds,
             data_types: layout.data_types,
+            collations: Arc::new(layout.collations),
             matched_table_id: None,
             file: from.file.clone(),
             format_read: false,
@@ -1319,6 +1323,7 @@ impl BinlogReader {
             Some(id) if id == rows.table_id() => {}
             None if layout_differs(table_map, &self.columns, &self.data_types).is_none() => {
                 self.matched_table_id = Some(rows.table_id());
+                read_in_logged_charsets(&mut self.kinds, table_map, &self.collations);
             }
             _ => return Err(BinlogError::LayoutChanged { width }),
         }
@@ -1422,6 +1427,8 @@ struct Layout {
     columns: Vec<String>,
     kinds: Vec<ColumnKind>,
     data_types: Vec<String>,
+    /// The server's character set of each collation id.
+    collations: HashMap<u16, String>,
 }
 
 impl Layout {
@@ -1451,12 +1458,19 @@ impl Layout {
                 )))
             }
         };
+        let collations: Vec<(u16, String)> = conn
+            .query(
+                "SELECT ID, CHARACTER_SET_NAME FROM information_schema.COLLATIONS
+                  WHERE ID IS NOT NULL",
+            )
+            .await?;
         let mut layout = Layout {
             database,
             table,
             columns: Vec::new(),
             kinds: Vec::new(),
             data_types: Vec::new(),
+            collations: collations.into_iter().collect(),
         };
         for (d, t, name, data_type, column_type, charset) in described {
             if d == layout.database && t == layout.table {
@@ -1497,7 +1511,7 @@ impl BinlogReader {
                 .table_map(table_id)
                 .is_some_and(|map| layout_differs(map, &self.columns, &self.data_types).is_none());
         if differs.is_some() && still_fits {
-            self.matched_table_id = Some(table_id);
+            self.matched(table_id);
             return Ok(());
         }
         if let Some(differs) = differs {
@@ -1507,7 +1521,6 @@ impl BinlogReader {
                 differs,
             });
         }
-        self.matched_table_id = Some(table_id);
         self.data_types = layout.data_types;
         if *self.columns != layout.columns || self.kinds != layout.kinds {
             tracing::info!(
@@ -1518,8 +1531,79 @@ impl BinlogReader {
         }
         self.columns = Arc::new(layout.columns);
         self.kinds = layout.kinds;
+        self.collations = Arc::new(layout.collations);
+        self.matched(table_id);
         Ok(())
     }
+
+    /// The outbox's rows come under `table_id` from here on, whose table map fits the
+    /// table as described.
+    fn matched(&mut self, table_id: u64) {
+        self.matched_table_id = Some(table_id);
+        if let Some(table_map) = self.stream.table_map(table_id) {
+            read_in_logged_charsets(&mut self.kinds, table_map, &self.collations);
+        }
+    }
+}
+
+/// Has the string columns of a table id's rows read in the character sets its table map
+/// logs, where it logs them (binlog_row_metadata MINIMAL or FULL). Rows written before an
+/// `ALTER TABLE … CONVERT TO CHARACTER SET` and read after a restart were decoded in the
+/// table's new character set: utf8mb4 read as latin1, garbled with no error.
+fn read_in_logged_charsets(
+    kinds: &mut Vec<ColumnKind>,
+    table_map: &TableMapEvent<'_>,
+    collations: &HashMap<u16, String>,
+) {
+    if let Some(logged) = kinds_as_logged(table_map, kinds, collations) {
+        tracing::info!(
+            table = %format!("{}.{}", table_map.database_name(), table_map.table_name()),
+            "the binary log gives the outbox's string columns other character sets than the \
+             table has now (an ALTER TABLE … CONVERT TO CHARACTER SET since): its rows are \
+             read in the logged ones"
+        );
+        *kinds = logged;
+    }
+}
+
+/// `kinds` with each string column in the character set `table_map` logs for it, if the
+/// map logs character sets (binlog_row_metadata MINIMAL or FULL) and one differs; `None`
+/// otherwise. A collation the server does not list leaves its column as described.
+fn kinds_as_logged(
+    table_map: &TableMapEvent<'_>,
+    kinds: &[ColumnKind],
+    collations: &HashMap<u16, String>,
+) -> Option<Vec<ColumnKind>> {
+    let meta = OptionalMetaExtractor::new(table_map.iter_optional_meta()).ok()?;
+    // One collation for each character column, in column order (ENUM and SET have theirs
+    // apart); infinite where a default charset is logged.
+    let mut logged = meta.iter_charset();
+    let mut out = kinds.to_vec();
+    let mut changed = false;
+    for (i, kind) in out.iter_mut().enumerate() {
+        let Ok(Some(logged_type)) = table_map.get_column_type(i) else {
+            // A type it cannot read puts every later column's collation out of step.
+            return None;
+        };
+        if !logged_type.is_character_type() {
+            continue;
+        }
+        let collation = match logged.next() {
+            Some(Ok(collation)) => collation,
+            // No character sets logged (binlog_row_metadata NO_LOG), or unreadable.
+            _ => return None,
+        };
+        let as_logged = match collations.get(&collation).map(String::as_str) {
+            Some("binary") => ColumnKind::AsIs,
+            Some(charset) => ColumnKind::Text(Charset::of(charset)),
+            None => continue,
+        };
+        if matches!(kind, ColumnKind::AsIs | ColumnKind::Text(_)) && *kind != as_logged {
+            *kind = as_logged;
+            changed = true;
+        }
+    }
+    changed.then_some(out)
 }
 
 /// How `table_map` differs from the table described as `columns` of `data_types`
@@ -2035,6 +2119,7 @@ mod tests {
             columns: Vec::new(),
             kinds: Vec::new(),
             data_types: Vec::new(),
+            collations: HashMap::new(),
         };
         let from = BinlogPosition::at("mariadb-bin.000001", 100);
         BinlogReader::of(Box::new(Written(events.into())), &config, layout, from)

@@ -202,6 +202,7 @@ fn reader_of(events: Vec<Vec<u8>>, gtid_state: Option<&str>) -> BinlogReader {
             kinds: vec![ColumnKind::AsIs, ColumnKind::AsIs],
             // Not compared with the table maps' types.
             data_types: vec![String::new(), String::new()],
+            collations: Default::default(),
         },
         BinlogPosition::at("binlog.000003", 1000),
     );
