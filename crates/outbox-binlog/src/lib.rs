@@ -76,7 +76,9 @@ pub enum BinlogError {
          were written, and binlog capture reads a row's columns by their place and type, so \
          it stops rather than read them under the wrong names or types. Alter the outbox \
          table while the relay runs (it reads on across the change) or after a drain, not \
-         while it is stopped with rows unread"
+         while it is stopped with rows unread; with binlog_row_metadata = FULL (SET GLOBAL, \
+         and in the server's configuration) the log names the columns of rows written from \
+         then on, and such rows are read by them"
     )]
     TableAltered {
         at: String,

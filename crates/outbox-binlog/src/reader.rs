@@ -1484,11 +1484,102 @@ impl Layout {
     }
 }
 
+impl Layout {
+    /// The columns as `table_map` logs them where it names them (binlog_row_metadata =
+    /// FULL, which also logs each integer's signedness, each string's character set and
+    /// each ENUM's and SET's labels): `None` where it does not, or cannot be read.
+    fn logged(table_map: &TableMapEvent<'_>, collations: &HashMap<u16, String>) -> Option<Layout> {
+        use ColumnType::*;
+        let meta = OptionalMetaExtractor::new(table_map.iter_optional_meta()).ok()?;
+        let columns: Vec<String> = meta
+            .iter_column_name()
+            .map(|name| name.map(|name| name.name().into_owned()))
+            .collect::<std::io::Result<_>>()
+            .ok()?;
+        let width = columns.len();
+        // No names logged (binlog_row_metadata NO_LOG or MINIMAL): nothing to read by.
+        if width == 0 || width as u64 != table_map.columns_count() {
+            return None;
+        }
+        let (mut enums, mut sets) = (Vec::new(), Vec::new());
+        for field in table_map.iter_optional_meta() {
+            match field.ok()? {
+                OptionalMetadataField::EnumStrValue(values) => {
+                    for labels in values.iter_values() {
+                        let labels = labels.ok()?;
+                        enums.push(
+                            labels
+                                .values()
+                                .iter()
+                                .map(|l| l.value().into_owned())
+                                .collect(),
+                        );
+                    }
+                }
+                OptionalMetadataField::SetStrValue(values) => {
+                    for labels in values.iter_values() {
+                        let labels = labels.ok()?;
+                        sets.push(
+                            labels
+                                .values()
+                                .iter()
+                                .map(|l| l.value().into_owned())
+                                .collect(),
+                        );
+                    }
+                }
+                _ => {}
+            }
+        }
+        let (mut enums, mut sets) = (enums.into_iter(), sets.into_iter());
+        // One flag for each numeric column, one collation for each string column, in
+        // column order.
+        let mut unsigned = meta.iter_signedness();
+        let mut charsets = meta.iter_charset();
+        let mut kinds = Vec::with_capacity(width);
+        for i in 0..width {
+            let logged_type = table_map.get_column_type(i).ok()??;
+            let is_unsigned = logged_type.is_numeric_type() && unsigned.next()?;
+            let kind = match logged_type {
+                MYSQL_TYPE_TINY if is_unsigned => ColumnKind::Unsigned(8),
+                MYSQL_TYPE_SHORT if is_unsigned => ColumnKind::Unsigned(16),
+                MYSQL_TYPE_INT24 if is_unsigned => ColumnKind::Unsigned(24),
+                MYSQL_TYPE_LONG if is_unsigned => ColumnKind::Unsigned(32),
+                MYSQL_TYPE_LONGLONG if is_unsigned => ColumnKind::Unsigned(64),
+                MYSQL_TYPE_TIMESTAMP | MYSQL_TYPE_TIMESTAMP2 => ColumnKind::Timestamp,
+                MYSQL_TYPE_ENUM => ColumnKind::Enum(enums.next()?),
+                MYSQL_TYPE_SET => ColumnKind::Set(sets.next()?),
+                MYSQL_TYPE_BIT => ColumnKind::Bit,
+                string if string.is_character_type() => {
+                    let collation = charsets.next()?.ok()?;
+                    match collations.get(&collation).map(String::as_str) {
+                        Some("binary") => ColumnKind::AsIs,
+                        Some(charset) => ColumnKind::Text(Charset::of(charset)),
+                        None => ColumnKind::Text(Charset::Other(format!("collation {collation}"))),
+                    }
+                }
+                _ => ColumnKind::AsIs,
+            };
+            kinds.push(kind);
+        }
+        Some(Layout {
+            database: table_map.database_name().into_owned(),
+            table: table_map.table_name().into_owned(),
+            columns,
+            kinds,
+            // Not compared with later maps' types: a later table id is described again.
+            data_types: vec![String::new(); width],
+            collations: collations.clone(),
+        })
+    }
+}
+
 impl BinlogReader {
     /// A row event of the outbox table is `width` columns wide, and the table was described
     /// with another number: an `ALTER TABLE` since. Described again, the table as it is now
     /// reads the events written after the change; events written before it (read again
-    /// after a restart) match neither, and the reader stops rather than read them under the
+    /// after a restart) are read by the columns their table map names (binlog_row_metadata
+    /// = FULL), and where it names none, the reader stops rather than read them under the
     /// wrong names.
     async fn describe_again(&mut self, width: usize, end: u64, table_id: u64) -> Result<()> {
         let mut conn = Conn::new(opts(&self.url)?).await?;
@@ -1515,11 +1606,32 @@ impl BinlogReader {
             return Ok(());
         }
         if let Some(differs) = differs {
-            return Err(BinlogError::TableAltered {
-                at: format!("{} offset {end}", self.file),
-                table: format!("{}.{}", self.database, self.table),
-                differs,
-            });
+            let at = format!("{} offset {end}", self.file);
+            let table = format!("{}.{}", self.database, self.table);
+            // Rows written before an ALTER TABLE, read after it (after a restart): where
+            // the map names its columns (binlog_row_metadata = FULL), it says all they were
+            // written with. Capture stopped there for good; a BLACKHOLE outbox, whose rows
+            // are nowhere else, could only be recovered by skipping them.
+            let logged = self
+                .stream
+                .table_map(table_id)
+                .filter(|map| map.columns_count() as usize == width)
+                .and_then(|map| Layout::logged(map, &self.collations));
+            let Some(logged) = logged else {
+                return Err(BinlogError::TableAltered { at, table, differs });
+            };
+            tracing::warn!(
+                %table,
+                %at,
+                %differs,
+                "rows written before an ALTER TABLE of the outbox are read by the columns \
+                 the binary log names for them"
+            );
+            self.columns = Arc::new(logged.columns);
+            self.kinds = logged.kinds;
+            self.data_types = logged.data_types;
+            self.matched_table_id = Some(table_id);
+            return Ok(());
         }
         self.data_types = layout.data_types;
         if *self.columns != layout.columns || self.kinds != layout.kinds {

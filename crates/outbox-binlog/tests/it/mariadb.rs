@@ -1239,6 +1239,78 @@ async fn rows_written_before_a_character_set_conversion_are_read_in_theirs_after
     assert_eq!(rows, [row("old", 1), row("new", 2), row("new", 3)]);
 }
 
+/// Rows written before an `ALTER TABLE` of the outbox and read after it, after a restart:
+/// they fit the table neither as it is now nor as the reader last described it, and
+/// capture stopped for good (a BLACKHOLE outbox, whose rows are nowhere else, could only
+/// skip them). Where the server names the columns in the log (binlog_row_metadata = FULL),
+/// they are read by the columns, signedness, character sets and labels logged with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_written_before_an_alter_table_are_read_by_their_logged_columns_after_a_restart() {
+    let (_server, url, mut admin) = private_mariadb(&[("MARIADB_SERVER_ID", "9")]).await;
+    admin
+        .query_drop(
+            "SET GLOBAL binlog_row_metadata = 'FULL';
+             CREATE DATABASE shop;
+             CREATE TABLE shop.outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
+                                       partition_key varchar(64) CHARACTER SET latin1 NULL,
+                                       tries tinyint unsigned NULL,
+                                       state enum('new', 'old') NULL,
+                                       note text NULL)",
+        )
+        .await
+        .unwrap();
+    let mut conn = connect(&url).await;
+    conn.query_drop("SET NAMES utf8mb4").await.unwrap();
+    let before = current_position(&url).await.unwrap();
+    for statement in [
+        "INSERT INTO outbox (partition_key, tries, state, note) VALUES ('é', 200, 'old', 'n')",
+        "ALTER TABLE outbox DROP COLUMN note, ADD COLUMN tenant text NULL,
+                            MODIFY partition_key varchar(64) CHARACTER SET utf8mb4 NULL",
+        "INSERT INTO outbox (partition_key, tries, state, tenant) VALUES ('é', 201, 'new', 't')",
+    ] {
+        conn.query_drop(statement).await.unwrap();
+    }
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: crate::server_id(),
+        database: "shop".into(),
+        table: "outbox".into(),
+    };
+    let mut reader = BinlogReader::start(&config, &before).await.unwrap();
+    let mut rows = Vec::new();
+    while rows.len() < 2 {
+        if let Output::Row(row) = crate::next_output(reader.next()).await {
+            assert_eq!(row.undecodable(), None, "{row:?}");
+            rows.push(row);
+        }
+    }
+    let read = |row: &outbox_binlog::Row, column| row.get(column).map(str::to_string);
+    assert_eq!(
+        ["partition_key", "tries", "state", "note", "tenant"].map(|c| read(&rows[0], c)),
+        [
+            Some("é".into()),
+            Some("200".into()),
+            Some("old".into()),
+            Some("n".into()),
+            None
+        ],
+        "the earlier row by its own columns: {:?}",
+        rows[0]
+    );
+    assert_eq!(
+        ["partition_key", "tries", "state", "note", "tenant"].map(|c| read(&rows[1], c)),
+        [
+            Some("é".into()),
+            Some("201".into()),
+            Some("new".into()),
+            None,
+            Some("t".into())
+        ],
+        "the later row by the table's columns now: {:?}",
+        rows[1]
+    );
+}
+
 /// A reopen of the table that changes nothing (FLUSH TABLES, a restart) gives it a new id:
 /// read behind a later `ALTER TABLE`, the rows between were compared with the table as it
 /// is now, which they do not fit, and the reader stopped. They fit the description it has.
