@@ -260,7 +260,17 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     config.http.listen()?;
     // The database URL is parsed first: "valid", then refused, was said of a bad one.
     config.store_settings()?;
-    outln!("ok: configuration is valid ({config:?})");
+    // The sinks are built (not reached) before too, for the same reason: a sink only the
+    // configuration can fix was refused after "valid" was said.
+    let (sinks, routes) = config.sink_setup();
+    let sink = build_sink(&sinks, &routes, config.database.layout).await;
+    match &sink {
+        Err(e) if crate::error::is_config_error(e) => {
+            misconfigured = true;
+            outln!("problem: {e:#}");
+        }
+        _ => outln!("ok: configuration is valid ({config:?})"),
+    }
     // Opened, a mistyped path became a new database that `check` told to migrate: said,
     // and the sinks are checked all the same.
     match crate::operator::refuse_a_missing_sqlite_file(&config) {
@@ -285,8 +295,7 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
             }
         },
     }
-    let (sinks, routes) = config.sink_setup();
-    match build_sink(&sinks, &routes, config.database.layout).await {
+    match sink {
         Ok(sink) => match sink.health().await {
             Ok(()) => outln!("ok: sink {} is reachable", sink.describe()),
             Err(e) => {
@@ -294,10 +303,10 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
                 outln!("problem: sink {}: {}", sink.describe(), e.report());
             }
         },
+        // Said above: only the operator can fix it.
+        Err(e) if crate::error::is_config_error(&e) => failed = true,
         Err(e) => {
             failed = true;
-            // A sink the configuration names wrongly: only the operator can fix it.
-            misconfigured |= crate::error::is_config_error(&e);
             outln!("problem: {e:#}");
         }
     }

@@ -902,6 +902,29 @@ fn check_shows_no_secret_of_a_sink_uri() {
     }
 }
 
+/// A sink only the configuration can fix (a file sink without a path): `check` said
+/// "configuration is valid", checked the database, and only then refused it. It is said
+/// before anything else now, the database still checked, and `check` exits 2.
+#[test]
+fn check_refuses_a_sink_the_configuration_names_wrongly_before_calling_it_valid() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("outbox.db");
+    let url = format!("sqlite:{}", db.display());
+    let migrated = relay(dir.path(), &["migrate", "--database-url", &url], &[]);
+    assert!(migrated.status.success(), "{}", stderr(&migrated));
+    let out = relay(
+        dir.path(),
+        &["check", "--database-url", &url, "--sink", "file:"],
+        &[],
+    );
+    let shown = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(2), "{shown}{}", stderr(&out));
+    assert!(!shown.contains("configuration is valid"), "{shown}");
+    let refusal = shown.find("needs a path").expect("the sink refused");
+    let database = shown.find("ok: connected").expect("the database checked");
+    assert!(refusal < database, "{shown}");
+}
+
 /// A URL given where a map, a list or an address is expected is refused (exit 2) without
 /// its password: the type error quoted the whole value. A password with an unencoded space,
 /// which the redaction cannot tell from the URL's end, is refused asking for it encoded.
