@@ -360,6 +360,15 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// polled. `None` when the store cannot tell, and the engine relies on polling.
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>>;
 
+    /// The sessions holding locks that this relay's statements wait for, one line each
+    /// (its process id, user, application, state, and how long its transaction has run),
+    /// for `/readyz` to name while a claim or settle is stuck: a DBA's `LOCK TABLE` or a
+    /// session left idle in a transaction looked exactly like a dead network. `None` (the
+    /// default) where the store cannot tell.
+    fn lock_holders(&self) -> Option<StoreFuture<Vec<String>>> {
+        None
+    }
+
     /// A task that lets the database's own shutdown go ahead, for as long as it is polled
     /// (the engine runs it while it runs). PostgreSQL's smart shutdown refuses new
     /// connections, then waits for every client session to end: the PostgreSQL store closes

@@ -579,7 +579,37 @@ async fn look(probes: &Probes) -> Vec<Reason> {
         what: "sink",
         detail,
     });
-    [db, sink].into_iter().flatten().collect()
+    let holders = lock_holders(probes, limit).await.map(|detail| Reason {
+        what: "database",
+        detail,
+    });
+    [db, sink, holders].into_iter().flatten().collect()
+}
+
+/// Who holds the locks the relay's statements wait for, asked while its work is in
+/// trouble: a DBA's `LOCK TABLE`, or a session left idle in a transaction, was reported
+/// as a database that does not answer, and the DBA had to find the session alone.
+async fn lock_holders(probes: &Probes, limit: Duration) -> Option<String> {
+    if probes
+        .health
+        .troubles(std::time::Instant::now(), DEFAULT_STALL)
+        .is_empty()
+    {
+        return None;
+    }
+    let holders = tokio::time::timeout(limit, probes.store.lock_holders()?)
+        .await
+        .ok()?
+        .ok()?;
+    if holders.is_empty() {
+        return None;
+    }
+    let said = format!(
+        "the relay's statements wait for locks held by {}: let it finish, or end it (SELECT \
+         pg_terminate_backend(<pid>))",
+        holders.join("; ")
+    );
+    Some(said)
 }
 
 /// Gauges computed at scrape time, so they are true even while the tasks that would update

@@ -988,6 +988,61 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
+    fn lock_holders(&self) -> Option<StoreFuture<Vec<String>>> {
+        let inner = self.inner.clone();
+        Some(
+            async move {
+                // On the coordination pool: the main pool's sessions may all be the ones
+                // waiting.
+                let rows = Self::query_on(
+                    &inner,
+                    &inner.coordination,
+                    "lock holders",
+                    schema::LOCK_HOLDERS,
+                    &[],
+                )
+                .await?;
+                Ok(rows
+                    .iter()
+                    .map(|row| {
+                        let (pid, user, application, state, running, query): (
+                            i32,
+                            Option<String>,
+                            Option<String>,
+                            Option<String>,
+                            Option<i64>,
+                            Option<String>,
+                        ) = (
+                            row.get(0),
+                            row.get(1),
+                            row.get(2),
+                            row.get(3),
+                            row.get(4),
+                            row.get(5),
+                        );
+                        let mut said = format!(
+                            "pid {pid} (user {}, application {:?}, {}",
+                            user.as_deref().unwrap_or("?"),
+                            application.unwrap_or_default(),
+                            state
+                                .as_deref()
+                                .unwrap_or("state not shown to the relay's role"),
+                        );
+                        if let Some(secs) = running {
+                            said.push_str(&format!(", in a transaction for {secs}s"));
+                        }
+                        if let Some(query) = query.filter(|q| !q.is_empty()) {
+                            said.push_str(&format!(", last statement {query:?}"));
+                        }
+                        said.push(')');
+                        said
+                    })
+                    .collect())
+            }
+            .boxed(),
+        )
+    }
+
     fn verify(&self) -> StoreFuture<Vec<Problem>> {
         let inner = self.inner.clone();
         async move { verify(&inner).await }.boxed()

@@ -14,6 +14,20 @@ const OBSOLETE_BLOCKING_INDEX_SUFFIX: &str = "_blocking_idx";
 /// The notification channel the trigger signals and the relay listens on.
 pub const DEFAULT_NOTIFY_CHANNEL: &str = "outbox_relay";
 
+/// The sessions holding locks the relay's own sessions (its role, its application name)
+/// wait for. Another role's state and statement show only to a role with
+/// pg_read_all_stats; its process id, user and application show to any.
+pub const LOCK_HOLDERS: &str = "
+SELECT DISTINCT holder.pid, holder.usename::text, holder.application_name, holder.state,
+       extract(epoch FROM now() - holder.xact_start)::int8, left(holder.query, 200)
+  FROM pg_stat_activity waiting
+ CROSS JOIN LATERAL unnest(pg_blocking_pids(waiting.pid)) AS blocking(pid)
+  JOIN pg_stat_activity holder ON holder.pid = blocking.pid
+ WHERE waiting.usename = current_user
+   AND waiting.application_name = current_setting('application_name')
+   AND waiting.wait_event_type = 'Lock'
+ ORDER BY 1";
+
 /// The names of everything the relay owns in the database.
 #[derive(Clone, Debug)]
 pub struct Tables {

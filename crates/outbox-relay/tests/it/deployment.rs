@@ -905,3 +905,47 @@ async fn a_row_a_foreign_key_keeps_holds_back_no_other_row_of_its_ack() {
         "each event published once"
     );
 }
+
+/// A session holding a lock the relay's claims wait for (a DBA's `LOCK TABLE`, left open):
+/// `/readyz` said the database did not answer, which reads as a dead network, and the DBA
+/// had to find the session alone. It now names the session holding the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_names_the_session_holding_the_lock_the_relay_waits_for() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate_with(&url, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let sink = format!("file:{}", dir.path().join("out.jsonl").display());
+    let mut node = RelayProcess::spawn(
+        dir.path(),
+        "relay",
+        &crate::support::run_serving(&sink, &["--database-url", &url, "--poll-interval", "100ms"]),
+        &[],
+    );
+    let addr = crate::support::http_addr(&node).await;
+    crate::support::readyz(&node, &addr, 200, "", Duration::from_secs(30)).await;
+    let locker = pg(&url).await;
+    locker
+        .batch_execute(
+            "SET application_name = 'nightly-maintenance';
+             BEGIN; LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE;",
+        )
+        .await
+        .unwrap();
+    let pid: i32 = locker
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let said = crate::support::readyz(
+        &node,
+        &addr,
+        503,
+        "nightly-maintenance",
+        Duration::from_secs(60),
+    )
+    .await;
+    assert!(said.contains(&format!("pid {pid}")), "{said}");
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    crate::support::readyz(&node, &addr, 200, "", Duration::from_secs(60)).await;
+    assert!(node.terminate().await.success(), "{}", node.logs());
+}

@@ -1460,6 +1460,10 @@ impl OutboxStore for WalStore {
     /// The database answers, the slot is confirmed as its settled events allow (a relay
     /// whose confirmations stopped holds the server's WAL while it delivers on), and it
     /// parks what must wait.
+    fn lock_holders(&self) -> Option<StoreFuture<Vec<String>>> {
+        self.inner.main.lock_holders()
+    }
+
     fn ping(&self) -> StoreFuture<()> {
         let inner = self.inner.clone();
         async move {
