@@ -1005,21 +1005,12 @@ impl OutboxStore for PgStore {
                 Ok(rows
                     .iter()
                     .map(|row| {
-                        let (pid, user, application, state, running, query): (
-                            i32,
-                            Option<String>,
-                            Option<String>,
-                            Option<String>,
-                            Option<i64>,
-                            Option<String>,
-                        ) = (
-                            row.get(0),
-                            row.get(1),
-                            row.get(2),
-                            row.get(3),
-                            row.get(4),
-                            row.get(5),
-                        );
+                        let pid: i32 = row.get(0);
+                        let user: Option<String> = row.get(1);
+                        let application: Option<String> = row.get(2);
+                        let state: Option<String> = row.get(3);
+                        let running: Option<i64> = row.get(4);
+                        let query: Option<String> = row.get(5);
                         let mut said = format!(
                             "pid {pid} (user {}, application {:?}, {}",
                             user.as_deref().unwrap_or("?"),
