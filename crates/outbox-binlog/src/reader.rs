@@ -390,6 +390,9 @@ pub struct BinlogReader {
     columns: Arc<Vec<String>>,
     /// What each column's value in the log needs to read as the table shows it.
     kinds: Vec<ColumnKind>,
+    /// `kinds` as described, before a table map's logged character sets changed them:
+    /// each table id's are applied to these, not to the last one's.
+    described_kinds: Vec<ColumnKind>,
     /// Each column's `DATA_TYPE`, to compare with the types a table map logs.
     data_types: Vec<String>,
     /// The server's character set of each collation id, for the ones table maps log.
@@ -731,6 +734,7 @@ impl BinlogReader {
             database: layout.database,
             table: layout.table,
             columns: Arc::new(layout.columns),
+            described_kinds: layout.kinds.clone(),
             kinds: layout.kinds,
             data_types: layout.data_types,
             collations: Arc::new(layout.collations),
@@ -1031,7 +1035,12 @@ impl BinlogReader {
                 // A transaction without a GTID (MySQL's gtid_mode OFF, or mixing them): no
                 // set names the places after it, so none is stored from here on, and a
                 // failover is refused rather than guessed.
-                Some(EventData::FormatDescriptionEvent(_)) => self.format_read = true,
+                // A new file, maybe of a restarted server, whose table ids start again:
+                // the outbox's is matched afresh, not taken for the one matched before.
+                Some(EventData::FormatDescriptionEvent(_)) => {
+                    self.format_read = true;
+                    self.matched_table_id = None;
+                }
                 Some(EventData::AnonymousGtidEvent(_)) => {
                     self.xa_rows = None;
                     self.gtid = None;
@@ -1323,7 +1332,7 @@ impl BinlogReader {
             Some(id) if id == rows.table_id() => {}
             None if layout_differs(table_map, &self.columns, &self.data_types).is_none() => {
                 self.matched_table_id = Some(rows.table_id());
-                read_in_logged_charsets(&mut self.kinds, table_map, &self.collations);
+                self.kinds = kinds_for(table_map, &self.described_kinds, &self.collations);
             }
             _ => return Err(BinlogError::LayoutChanged { width }),
         }
@@ -1532,12 +1541,11 @@ impl Layout {
             }
         }
         let (mut enums, mut sets) = (enums.into_iter(), sets.into_iter());
-        // One flag for each numeric column, one collation for each string column, in
-        // column order.
+        // One flag for each numeric column, in column order.
         let mut unsigned = meta.iter_signedness();
-        let mut charsets = meta.iter_charset();
+        let charsets = logged_collations(table_map)?;
         let mut kinds = Vec::with_capacity(width);
-        for i in 0..width {
+        for (i, collation) in charsets.into_iter().enumerate() {
             let logged_type = table_map.get_column_type(i).ok()??;
             let is_unsigned = logged_type.is_numeric_type() && unsigned.next()?;
             let kind = match logged_type {
@@ -1551,12 +1559,7 @@ impl Layout {
                 MYSQL_TYPE_SET => ColumnKind::Set(sets.next()?),
                 MYSQL_TYPE_BIT => ColumnKind::Bit,
                 string if string.is_character_type() => {
-                    let collation = charsets.next()?.ok()?;
-                    match collations.get(&collation).map(String::as_str) {
-                        Some("binary") => ColumnKind::AsIs,
-                        Some(charset) => ColumnKind::Text(Charset::of(charset)),
-                        None => ColumnKind::Text(Charset::Other(format!("collation {collation}"))),
-                    }
+                    kind_of_collation(Some(string), collation?, collations)?
                 }
                 _ => ColumnKind::AsIs,
             };
@@ -1628,6 +1631,7 @@ impl BinlogReader {
                  the binary log names for them"
             );
             self.columns = Arc::new(logged.columns);
+            self.described_kinds = logged.kinds.clone();
             self.kinds = logged.kinds;
             self.data_types = logged.data_types;
             self.matched_table_id = Some(table_id);
@@ -1642,6 +1646,7 @@ impl BinlogReader {
             );
         }
         self.columns = Arc::new(layout.columns);
+        self.described_kinds = layout.kinds.clone();
         self.kinds = layout.kinds;
         self.collations = Arc::new(layout.collations);
         self.matched(table_id);
@@ -1653,62 +1658,105 @@ impl BinlogReader {
     fn matched(&mut self, table_id: u64) {
         self.matched_table_id = Some(table_id);
         if let Some(table_map) = self.stream.table_map(table_id) {
-            read_in_logged_charsets(&mut self.kinds, table_map, &self.collations);
+            self.kinds = kinds_for(table_map, &self.described_kinds, &self.collations);
         }
     }
 }
 
-/// Has the string columns of a table id's rows read in the character sets its table map
-/// logs, where it logs them (binlog_row_metadata MINIMAL or FULL). Rows written before an
-/// `ALTER TABLE … CONVERT TO CHARACTER SET` and read after a restart were decoded in the
-/// table's new character set: utf8mb4 read as latin1, garbled with no error.
-fn read_in_logged_charsets(
-    kinds: &mut Vec<ColumnKind>,
+/// The kinds a table id's rows read by: the `described` ones, with each string column in
+/// the character set the table map logs for it where it logs them (binlog_row_metadata
+/// MINIMAL or FULL). Rows written before an `ALTER TABLE … CONVERT TO CHARACTER SET` and
+/// read after a restart were decoded in the table's new character set: utf8mb4 read as
+/// latin1, garbled with no error.
+fn kinds_for(
     table_map: &TableMapEvent<'_>,
+    described: &[ColumnKind],
     collations: &HashMap<u16, String>,
-) {
-    if let Some(logged) = kinds_as_logged(table_map, kinds, collations) {
-        tracing::info!(
-            table = %format!("{}.{}", table_map.database_name(), table_map.table_name()),
-            "the binary log gives the outbox's string columns other character sets than the \
-             table has now (an ALTER TABLE … CONVERT TO CHARACTER SET since): its rows are \
-             read in the logged ones"
+) -> Vec<ColumnKind> {
+    let Some(logged) = kinds_as_logged(table_map, described, collations) else {
+        return described.to_vec();
+    };
+    tracing::info!(
+        table = %format!("{}.{}", table_map.database_name(), table_map.table_name()),
+        "the binary log gives the outbox's string columns other character sets than the \
+         table has now (an ALTER TABLE … CONVERT TO CHARACTER SET since): its rows are read \
+         in the logged ones"
+    );
+    logged
+}
+
+/// The collation `table_map` logs for each column that has one, by column index (`None`
+/// for a column without), if the map logs character sets (binlog_row_metadata MINIMAL or
+/// FULL) and its list matches the columns; `None` otherwise.
+///
+/// The list has one entry per string column in column order (ENUM and SET have theirs
+/// apart), and the servers give a GEOMETRY column one too (binary: MariaDB and MySQL count
+/// it with the BLOBs it is built on), which mysql_common's `is_character_type` leaves out:
+/// every string column after a GEOMETRY took the collation of the column before it, and
+/// was read in it silently. A per-column list of another length is not used.
+fn logged_collations(table_map: &TableMapEvent<'_>) -> Option<Vec<Option<u16>>> {
+    let width = usize::try_from(table_map.columns_count()).ok()?;
+    let mut has_one = Vec::with_capacity(width);
+    for i in 0..width {
+        // A type it cannot read puts every later column's collation out of step.
+        let column_type = table_map.get_column_type(i).ok()??;
+        has_one.push(
+            column_type.is_character_type() || column_type == ColumnType::MYSQL_TYPE_GEOMETRY,
         );
-        *kinds = logged;
     }
+    let per_column = table_map.iter_optional_meta().find_map(|field| match field {
+        Ok(OptionalMetadataField::ColumnCharset(list)) => Some(list.iter_charsets().count()),
+        _ => None,
+    });
+    if per_column.is_some_and(|n| n != has_one.iter().filter(|h| **h).count()) {
+        return None;
+    }
+    let meta = OptionalMetaExtractor::new(table_map.iter_optional_meta()).ok()?;
+    // Infinite where a default is logged; empty where nothing is (NO_LOG).
+    let mut logged = meta.iter_charset();
+    let mut collations = Vec::with_capacity(width);
+    for has_one in has_one {
+        collations.push(match has_one {
+            true => Some(logged.next()?.ok()?),
+            false => None,
+        });
+    }
+    Some(collations)
+}
+
+/// How a string column logged in `collation` reads: binary as its bytes, any other in its
+/// character set (`None` for a GEOMETRY column, read as described).
+fn kind_of_collation(
+    column_type: Option<ColumnType>,
+    collation: u16,
+    collations: &HashMap<u16, String>,
+) -> Option<ColumnKind> {
+    if column_type == Some(ColumnType::MYSQL_TYPE_GEOMETRY) {
+        return None;
+    }
+    Some(match collations.get(&collation).map(String::as_str) {
+        Some("binary") => ColumnKind::AsIs,
+        Some(charset) => ColumnKind::Text(Charset::of(charset)),
+        None => ColumnKind::Text(Charset::Other(format!("collation {collation}"))),
+    })
 }
 
 /// `kinds` with each string column in the character set `table_map` logs for it, if the
-/// map logs character sets (binlog_row_metadata MINIMAL or FULL) and one differs; `None`
-/// otherwise. A collation the server does not list leaves its column as described.
+/// map logs character sets for certain ([`logged_collations`]) and one differs; `None`
+/// otherwise.
 fn kinds_as_logged(
     table_map: &TableMapEvent<'_>,
     kinds: &[ColumnKind],
     collations: &HashMap<u16, String>,
 ) -> Option<Vec<ColumnKind>> {
-    let meta = OptionalMetaExtractor::new(table_map.iter_optional_meta()).ok()?;
-    // One collation for each character column, in column order (ENUM and SET have theirs
-    // apart); infinite where a default charset is logged.
-    let mut logged = meta.iter_charset();
+    let logged = logged_collations(table_map)?;
     let mut out = kinds.to_vec();
     let mut changed = false;
-    for (i, kind) in out.iter_mut().enumerate() {
-        let Ok(Some(logged_type)) = table_map.get_column_type(i) else {
-            // A type it cannot read puts every later column's collation out of step.
-            return None;
-        };
-        if !logged_type.is_character_type() {
+    for (i, (kind, collation)) in out.iter_mut().zip(logged).enumerate() {
+        let column_type = table_map.get_column_type(i).ok().flatten();
+        let Some(as_logged) = collation.and_then(|c| kind_of_collation(column_type, c, collations))
+        else {
             continue;
-        }
-        let collation = match logged.next() {
-            Some(Ok(collation)) => collation,
-            // No character sets logged (binlog_row_metadata NO_LOG), or unreadable.
-            _ => return None,
-        };
-        let as_logged = match collations.get(&collation).map(String::as_str) {
-            Some("binary") => ColumnKind::AsIs,
-            Some(charset) => ColumnKind::Text(Charset::of(charset)),
-            None => continue,
         };
         if matches!(kind, ColumnKind::AsIs | ColumnKind::Text(_)) && *kind != as_logged {
             *kind = as_logged;

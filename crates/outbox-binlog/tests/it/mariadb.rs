@@ -1183,8 +1183,9 @@ async fn a_character_set_converted_while_reading_reads_later_rows_in_the_new_one
 /// character set: utf8mb4's `é` read as latin1's `Ã©`, with no error, and a latin1 `é` in
 /// utf8mb4 refused. Where the server logs the columns' character sets
 /// (binlog_row_metadata MINIMAL or FULL), each row is read in the one logged with it. An
-/// ENUM column before the strings checks that the logged sets are matched to the right
-/// columns (ENUM and SET have theirs apart).
+/// ENUM and a GEOMETRY column before the strings check that the logged sets are matched to
+/// the right columns (ENUM and SET have theirs apart; a GEOMETRY has one, which was missed,
+/// and every later string was read in its neighbour's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_written_before_a_character_set_conversion_are_read_in_theirs_after_a_restart() {
     let (_server, url, mut admin) = private_mariadb(&[("MARIADB_SERVER_ID", "8")]).await;
@@ -1194,6 +1195,7 @@ async fn rows_written_before_a_character_set_conversion_are_read_in_theirs_after
              CREATE DATABASE shop;
              CREATE TABLE shop.outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
                                        state enum('new', 'old') NULL,
+                                       shape geometry NULL,
                                        partition_key varchar(64) NULL,
                                        payload text NULL) DEFAULT CHARSET = utf8mb4",
         )
@@ -1252,6 +1254,7 @@ async fn rows_written_before_an_alter_table_are_read_by_their_logged_columns_aft
             "SET GLOBAL binlog_row_metadata = 'FULL';
              CREATE DATABASE shop;
              CREATE TABLE shop.outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
+                                       shape geometry NULL,
                                        partition_key varchar(64) CHARACTER SET latin1 NULL,
                                        tries tinyint unsigned NULL,
                                        state enum('new', 'old') NULL,
