@@ -1704,10 +1704,12 @@ fn logged_collations(table_map: &TableMapEvent<'_>) -> Option<Vec<Option<u16>>> 
             column_type.is_character_type() || column_type == ColumnType::MYSQL_TYPE_GEOMETRY,
         );
     }
-    let per_column = table_map.iter_optional_meta().find_map(|field| match field {
-        Ok(OptionalMetadataField::ColumnCharset(list)) => Some(list.iter_charsets().count()),
-        _ => None,
-    });
+    let per_column = table_map
+        .iter_optional_meta()
+        .find_map(|field| match field {
+            Ok(OptionalMetadataField::ColumnCharset(list)) => Some(list.iter_charsets().count()),
+            _ => None,
+        });
     if per_column.is_some_and(|n| n != has_one.iter().filter(|h| **h).count()) {
         return None;
     }

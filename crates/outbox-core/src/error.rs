@@ -189,7 +189,7 @@ impl StoreErrorKind {
             StoreErrorKind::Corrupt => "stop writing to the database and recover it (`sqlite3 FILE .recover`, or restore a backup); events published but not acked are sent again once it is sound",
             StoreErrorKind::SchemaMismatch => "restore the column's type as `outbox-relay migrate --print` shows it; `outbox-relay check` lists every column that differs, with the ALTER TABLE that restores it",
             StoreErrorKind::SchemaVersion => "run `outbox-relay migrate` if the schema is older than the relay needs; upgrade the relay if it is newer",
-            StoreErrorKind::RowRefused => "a constraint or trigger on the table refuses the row named (a foreign key from another table to it, a check, a trigger's exception): change or drop it; the relay retries that row meanwhile, and the others go on",
+            StoreErrorKind::RowRefused => "the database refused a row, as its message says: a constraint or a trigger on the table (a foreign key from another table to an outbox row, a unique or check constraint, a trigger's exception); change or drop it, or the row (a running relay retries a refused settle row by row meanwhile, the other rows going on)",
             StoreErrorKind::Query => "see the database's message; `outbox-relay check` verifies the tables",
         }
     }
@@ -235,6 +235,12 @@ impl StoreError {
 
     pub fn kind(&self) -> StoreErrorKind {
         self.kind
+    }
+
+    /// The same failure, its message led by what it was about (`row 42`).
+    pub fn about(mut self, what: impl std::fmt::Display) -> Self {
+        self.message = format!("{what}: {}", self.message);
+        self
     }
 
     pub fn is_retryable(&self) -> bool {

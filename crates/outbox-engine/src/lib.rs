@@ -303,7 +303,12 @@ where
                 tracing::warn!(operation = what, row, error = %e.report(), ?retry_in, "store write failed; retrying");
                 tokio::time::sleep(retry_in).await;
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                return Err(match covers {
+                    Covers::Row(id) => e.about(format_args!("row {id}")),
+                    _ => e,
+                })
+            }
         }
     }
 }
@@ -343,6 +348,10 @@ struct Engine {
     /// The waiting state last told to the store (for its gated wake-up).
     reported_waiting: bool,
     drain: DrainProgress,
+    /// A settle that failed for good: the run ends with it once the settles still in
+    /// flight have finished (or the shutdown's deadline passed). Returned at once, it
+    /// dropped them: rows of other batches, published, stayed in the table to go out again.
+    failed: Option<StoreError>,
 }
 
 /// Where the engine's run is.
@@ -1288,6 +1297,16 @@ impl Engine {
         );
     }
 
+    /// A settle failed for good: no more claims or dispatches, and the run ends with the
+    /// (first) error once the settles in flight are done.
+    fn settle_failed(&mut self, error: StoreError) {
+        tracing::debug!(error = %error.report(), "a settle failed for good; finishing the settles in flight");
+        self.failed.get_or_insert(error);
+        if !self.phase.is_stopping() {
+            self.begin_shutdown();
+        }
+    }
+
     /// The shutdown signal: no more claims or dispatches; rows not handed out go back.
     fn begin_shutdown(&mut self) {
         let now = Instant::now();
@@ -1418,6 +1437,7 @@ pub async fn run(
         ownership_seen: OwnershipSeen::default(),
         reported_waiting: false,
         drain: DrainProgress::new(),
+        failed: None,
     };
     let result = event_loop(&mut engine, wake, shutdown).await;
     for task in [listener, give_way].into_iter().flatten() {
@@ -1532,9 +1552,9 @@ async fn event_loop(
         engine.report_waiting();
         if engine.phase.is_stopping() && engine.claims.running.is_none() && engine.nothing_pending()
         {
-            return Ok(());
+            return engine.failed.take().map_or(Ok(()), Err);
         }
-        if engine.drain_finished().await {
+        if engine.failed.is_none() && engine.drain_finished().await {
             return Ok(());
         }
         let settle_by = engine.phase.settle_by();
@@ -1545,13 +1565,17 @@ async fn event_loop(
             () = &mut shutdown, if settle_by.is_none() => engine.begin_shutdown(),
             () = tokio::time::sleep_until(settle_by.unwrap_or_else(Instant::now)), if settle_by.is_some() => {
                 engine.abandon_unfinished();
-                return Ok(());
+                return engine.failed.take().map_or(Ok(()), Err);
             }
             claim = engine.claims.finished(), if engine.claims.running.is_some() => {
                 engine.on_claimed(claim)?;
             }
             Some(published) = engine.publishing.next() => engine.on_published(published),
-            Some(settled) = engine.settling.next() => engine.on_settled(settled)?,
+            Some(settled) = engine.settling.next() => {
+                if let Err(e) = engine.on_settled(settled) {
+                    engine.settle_failed(e);
+                }
+            }
             () = wake.notified() => engine.claims.want(),
             _ = poll.tick() => {
                 engine.claims.want();

@@ -63,29 +63,22 @@ impl SharedOutcome {
     }
 }
 
-/// The acks waiting for the next delete, and the outcome they will share.
+/// The acks waiting for the next delete, and each caller's share of them.
 struct OpenGroup<A> {
     acks: Vec<A>,
-    outcome: Arc<SharedOutcome>,
+    /// Each caller's acks: where they start in `acks`, and the outcome it waits for.
+    callers: Vec<(usize, Arc<SharedOutcome>)>,
 }
 
 /// While a group's delete runs: if it is dropped unfinished (its ack cancelled), the acks
 /// it carried, which wait for its outcome, get an error to retry on, not the outcome of a
 /// later delete that did not carry them.
-struct OutcomeOnCancel<'a>(Option<&'a SharedOutcome>);
-
-impl OutcomeOnCancel<'_> {
-    /// The delete finished with `result`.
-    fn set(mut self, result: &StoreResult<()>) {
-        if let Some(outcome) = self.0.take() {
-            outcome.set(result);
-        }
-    }
-}
+struct OutcomeOnCancel<'a>(&'a [(usize, Arc<SharedOutcome>)]);
 
 impl Drop for OutcomeOnCancel<'_> {
     fn drop(&mut self) {
-        if let Some(outcome) = self.0.take() {
+        // Outcomes set already stand (the first one set does).
+        for (_, outcome) in self.0 {
             outcome.set(&Err(StoreError::new(
                 crate::StoreErrorKind::Conflict,
                 "the delete of delivered rows carrying this ack was cancelled before it finished",
@@ -115,7 +108,7 @@ impl<A> GroupDeletes<A> {
         GroupDeletes {
             open: Mutex::new(OpenGroup {
                 acks: Vec::new(),
-                outcome: Arc::default(),
+                callers: Vec::new(),
             }),
             turn: tokio::sync::Mutex::new(None),
             enough: delete_group_enough(max_in_flight),
@@ -131,20 +124,28 @@ impl<A> GroupDeletes<A> {
     /// Cancelled (dropped) while its group waits, the acks stay queued for the next turn;
     /// cancelled while the delete runs, every ack the delete carried gets a retryable
     /// error, and the engine acks them again.
+    ///
+    /// A delete the database refuses for one of its rows ([`crate::StoreErrorKind::RowRefused`]:
+    /// a foreign key to a delivered row) is run again for each caller's acks apart, so that
+    /// only the caller whose row it is gets the refusal: shared, it failed every ack the
+    /// group carried, each then split and retried by the engine as if refused itself.
     pub async fn ack<D>(
         &self,
         acks: impl IntoIterator<Item = A>,
         needs_statement: impl FnOnce(&[A]) -> bool,
-        delete: impl FnOnce(Vec<A>) -> D,
+        delete: impl Fn(Vec<A>) -> D,
     ) -> StoreResult<()>
     where
+        A: Clone,
         D: std::future::Future<Output = StoreResult<()>>,
     {
-        let outcome = {
+        let outcome = Arc::new(SharedOutcome::default());
+        {
             let mut open = self.lock_open();
+            let start = open.acks.len();
             open.acks.extend(acks);
-            open.outcome.clone()
-        };
+            open.callers.push((start, outcome.clone()));
+        }
         let mut last_delete = self.turn.lock().await;
         if let Some(done) = outcome.get() {
             // An earlier ack's turn carried these.
@@ -161,15 +162,30 @@ impl<A> GroupDeletes<A> {
             *last_delete = Some(Instant::now());
         }
         // Close the group (later acks open the next one) and run it.
-        let acks = {
-            let mut open = self.lock_open();
-            open.outcome = Arc::default();
-            std::mem::take(&mut open.acks)
-        };
-        let pending = OutcomeOnCancel(Some(&outcome));
+        let OpenGroup { acks, callers } = std::mem::replace(
+            &mut *self.lock_open(),
+            OpenGroup {
+                acks: Vec::new(),
+                callers: Vec::new(),
+            },
+        );
+        let _pending = OutcomeOnCancel(&callers);
+        let apart = (callers.len() > 1).then(|| acks.clone());
         let result = delete(acks).await;
-        pending.set(&result);
-        result
+        match (&result, apart) {
+            (Err(e), Some(acks)) if e.kind() == crate::StoreErrorKind::RowRefused => {
+                let ends = callers.iter().skip(1).map(|(start, _)| *start);
+                for ((start, caller), end) in callers.iter().zip(ends.chain([acks.len()])) {
+                    caller.set(&delete(acks[*start..end].to_vec()).await);
+                }
+            }
+            _ => {
+                for (_, caller) in &callers {
+                    caller.set(&result);
+                }
+            }
+        }
+        outcome.get().unwrap_or(result)
     }
 
     fn lock_open(&self) -> std::sync::MutexGuard<'_, OpenGroup<A>> {
@@ -309,11 +325,16 @@ mod tests {
     ) -> (Vec<StoreResult<()>>, Arc<GroupDeletes<u32>>, Arc<Recorded>) {
         let deletes = Arc::new(GroupDeletes::new(6));
         let recorded = Arc::new(Recorded::default());
-        let ack = |ack: u32, gate, fails| {
+        let ack = |ack: u32, gate: Option<tokio::sync::oneshot::Receiver<()>>, fails| {
             let (deletes, recorded) = (deletes.clone(), recorded.clone());
+            let gate = Mutex::new(gate);
             tokio::spawn(async move {
                 deletes
-                    .ack([ack], |_| true, |acks| recorded.delete(acks, gate, fails))
+                    .ack(
+                        [ack],
+                        |_| true,
+                        |acks| recorded.delete(acks, gate.lock().unwrap().take(), fails),
+                    )
                     .await
             })
         };
@@ -359,6 +380,69 @@ mod tests {
         assert_eq!(recorded.groups(), vec![vec![1], vec![2, 3], vec![5]]);
     }
 
+    /// A group's delete refused for one row (a foreign key to it): it failed every ack the
+    /// group carried, and each, split by the engine down to single rows, retried as if its
+    /// own row were refused. Each caller's acks are deleted apart instead: only the one
+    /// whose row it is gets the refusal.
+    #[tokio::test(start_paused = true)]
+    async fn a_delete_refused_for_one_row_fails_only_the_ack_that_carried_it() {
+        let deletes = Arc::new(GroupDeletes::new(6));
+        let recorded = Arc::new(Recorded::default());
+        let refuse_3 = |recorded: Arc<Recorded>| {
+            move |acks: Vec<u32>| {
+                let recorded = recorded.clone();
+                async move {
+                    let refused = acks.contains(&3);
+                    recorded.delete(acks, None, false).await?;
+                    match refused {
+                        true => Err(StoreError::new(
+                            crate::StoreErrorKind::RowRefused,
+                            "violates foreign key constraint",
+                        )),
+                        false => Ok(()),
+                    }
+                }
+            }
+        };
+        let (open_gate, gate) = tokio::sync::oneshot::channel();
+        let gate = Mutex::new(Some(gate));
+        let first = tokio::spawn({
+            let (deletes, recorded) = (deletes.clone(), recorded.clone());
+            async move {
+                deletes
+                    .ack(
+                        [1],
+                        |_| true,
+                        |acks| recorded.delete(acks, gate.lock().unwrap().take(), false),
+                    )
+                    .await
+            }
+        });
+        until(|| deletes.running_with_none_queued()).await;
+        let later: Vec<_> = [vec![2], vec![3], vec![4, 5]]
+            .into_iter()
+            .map(|acks| {
+                let (deletes, delete) = (deletes.clone(), refuse_3(recorded.clone()));
+                tokio::spawn(async move { deletes.ack(acks, |_| true, delete).await })
+            })
+            .collect();
+        until(|| deletes.queued() == 4).await;
+        open_gate.send(()).unwrap();
+        first.await.unwrap().unwrap();
+        let mut outcomes = Vec::new();
+        for ack in later {
+            outcomes.push(ack.await.unwrap().map_err(|e| e.kind()));
+        }
+        assert_eq!(
+            outcomes,
+            [Ok(()), Err(crate::StoreErrorKind::RowRefused), Ok(())]
+        );
+        assert_eq!(
+            recorded.groups(),
+            vec![vec![1], vec![2, 3, 4, 5], vec![2], vec![3], vec![4, 5]]
+        );
+    }
+
     /// The ack that ran a group's delete is cancelled (its task aborted) while the delete
     /// runs: the other ack that delete carried gets an error to retry on. It used to get the
     /// outcome of the next group's delete, which did not carry it (an empty one: `Ok`).
@@ -372,6 +456,7 @@ mod tests {
             .unwrap();
         // Ack 1 waits out the spacing after ack 0's delete; ack 2 joins its group meanwhile.
         let (_never_opened, gate) = tokio::sync::oneshot::channel::<()>();
+        let gate = Mutex::new(Some(gate));
         let runner = tokio::spawn({
             let (deletes, recorded) = (deletes.clone(), recorded.clone());
             async move {
@@ -379,7 +464,7 @@ mod tests {
                     .ack(
                         [1],
                         |_| true,
-                        |acks| recorded.delete(acks, Some(gate), false),
+                        |acks| recorded.delete(acks, gate.lock().unwrap().take(), false),
                     )
                     .await
             }

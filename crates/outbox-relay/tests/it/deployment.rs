@@ -949,3 +949,65 @@ async fn readyz_names_the_session_holding_the_lock_the_relay_waits_for() {
     crate::support::readyz(&node, &addr, 200, "", Duration::from_secs(60)).await;
     assert!(node.terminate().await.success(), "{}", node.logs());
 }
+
+/// A drain that meets a row the database refuses to delete ends non-zero naming the row,
+/// once the settles in flight are done: it returned at the refusal, dropping the other
+/// batches' acks, and rows it had published stayed in the table to go out again. Rows it
+/// had not claimed yet stay for the next run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_meets_a_row_it_cannot_delete_names_it_and_leaves_no_other_row() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate_with(&url, &[]);
+    let db = pg(&url).await;
+    db.batch_execute(
+        "CREATE TABLE orders (event bigint REFERENCES outbox (sequence_id));
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+           SELECT 'd', 'k' || (n % 7), 't', '{}' FROM generate_series(1, 3000) n;
+         INSERT INTO orders SELECT min(sequence_id) + 1499 FROM outbox;",
+    )
+    .await
+    .unwrap();
+    let kept: i64 = db
+        .query_one("SELECT event FROM orders", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let dir = tempfile::tempdir().unwrap();
+    let sink = dir.path().join("out.jsonl");
+    let out = Command::new(BIN)
+        .args([
+            "run",
+            "--drain",
+            "--database-url",
+            &url,
+            "--batch-size",
+            "50",
+        ])
+        .args(["--sink", &format!("file:{}", sink.display())])
+        .args(["--http-addr", ""])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains(&format!("row {kept}")), "{said}");
+    let left: std::collections::BTreeSet<i64> = db
+        .query("SELECT sequence_id FROM outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let published: Vec<i64> = read_lines(&sink)
+        .iter()
+        .map(|line| line["sequence_id"].as_i64().unwrap())
+        .collect();
+    let unique: std::collections::BTreeSet<i64> = published.iter().copied().collect();
+    assert_eq!(unique.len(), published.len(), "each event published once");
+    assert!(unique.contains(&kept) && left.contains(&kept));
+    let published_and_left: Vec<i64> = left.intersection(&unique).copied().collect();
+    assert_eq!(
+        published_and_left,
+        [kept],
+        "every published row deleted but the refused one"
+    );
+}
