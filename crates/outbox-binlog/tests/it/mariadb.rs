@@ -1213,24 +1213,17 @@ async fn rows_written_before_a_character_set_conversion_are_read_in_theirs_after
     ] {
         conn.query_drop(statement).await.unwrap();
     }
-    let config = BinlogConfig {
-        url: url.clone(),
-        server_id: crate::server_id(),
-        database: "shop".into(),
-        table: "outbox".into(),
-    };
-    let mut reader = BinlogReader::start(&config, &before).await.unwrap();
-    let mut rows = Vec::new();
-    while rows.len() < 3 {
-        if let Output::Row(row) = crate::next_output(reader.next()).await {
-            assert_eq!(row.undecodable(), None, "{row:?}");
-            rows.push((
+    let rows: Vec<_> = read_again(&url, &before, 3)
+        .await
+        .iter()
+        .map(|row| {
+            (
                 row.get("state").map(str::to_string),
                 row.get("partition_key").map(str::to_string),
                 row.get("payload").map(str::to_string),
-            ));
-        }
-    }
+            )
+        })
+        .collect();
     let row = |state: &str, n: u8| {
         (
             Some(state.to_string()),
@@ -1273,20 +1266,7 @@ async fn rows_written_before_an_alter_table_are_read_by_their_logged_columns_aft
     ] {
         conn.query_drop(statement).await.unwrap();
     }
-    let config = BinlogConfig {
-        url: url.clone(),
-        server_id: crate::server_id(),
-        database: "shop".into(),
-        table: "outbox".into(),
-    };
-    let mut reader = BinlogReader::start(&config, &before).await.unwrap();
-    let mut rows = Vec::new();
-    while rows.len() < 2 {
-        if let Output::Row(row) = crate::next_output(reader.next()).await {
-            assert_eq!(row.undecodable(), None, "{row:?}");
-            rows.push(row);
-        }
-    }
+    let rows = read_again(&url, &before, 2).await;
     let read = |row: &outbox_binlog::Row, column| row.get(column).map(str::to_string);
     assert_eq!(
         ["partition_key", "tries", "state", "note", "tenant"].map(|c| read(&rows[0], c)),
@@ -1312,6 +1292,30 @@ async fn rows_written_before_an_alter_table_are_read_by_their_logged_columns_aft
         "the later row by the table's columns now: {:?}",
         rows[1]
     );
+}
+
+/// The first `n` rows of `shop.outbox` on the server of `url` from `from`, read as a
+/// restarted relay reads them again, each decodable.
+async fn read_again(
+    url: &str,
+    from: &outbox_binlog::BinlogPosition,
+    n: usize,
+) -> Vec<outbox_binlog::Row> {
+    let config = BinlogConfig {
+        url: url.to_string(),
+        server_id: crate::server_id(),
+        database: "shop".into(),
+        table: "outbox".into(),
+    };
+    let mut reader = BinlogReader::start(&config, from).await.unwrap();
+    let mut rows = Vec::new();
+    while rows.len() < n {
+        if let Output::Row(row) = crate::next_output(reader.next()).await {
+            assert_eq!(row.undecodable(), None, "{row:?}");
+            rows.push(row);
+        }
+    }
+    rows
 }
 
 /// A reopen of the table that changes nothing (FLUSH TABLES, a restart) gives it a new id:

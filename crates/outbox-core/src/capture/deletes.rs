@@ -304,6 +304,28 @@ mod tests {
         }
     }
 
+    /// Acks `ack` on a task of its own, its delete recorded once `gate` opens (without one,
+    /// at once).
+    fn spawn_ack(
+        deletes: &Arc<GroupDeletes<u32>>,
+        recorded: &Arc<Recorded>,
+        ack: u32,
+        gate: Option<tokio::sync::oneshot::Receiver<()>>,
+        fails: bool,
+    ) -> tokio::task::JoinHandle<StoreResult<()>> {
+        let (deletes, recorded) = (deletes.clone(), recorded.clone());
+        let gate = Mutex::new(gate);
+        tokio::spawn(async move {
+            deletes
+                .ack(
+                    [ack],
+                    |_| true,
+                    |acks| recorded.delete(acks, gate.lock().unwrap().take(), fails),
+                )
+                .await
+        })
+    }
+
     /// Yields until `ready`, failing (not hanging) if it never comes.
     async fn until(ready: impl Fn() -> bool) {
         for _ in 0..1_000 {
@@ -325,19 +347,7 @@ mod tests {
     ) -> (Vec<StoreResult<()>>, Arc<GroupDeletes<u32>>, Arc<Recorded>) {
         let deletes = Arc::new(GroupDeletes::new(6));
         let recorded = Arc::new(Recorded::default());
-        let ack = |ack: u32, gate: Option<tokio::sync::oneshot::Receiver<()>>, fails| {
-            let (deletes, recorded) = (deletes.clone(), recorded.clone());
-            let gate = Mutex::new(gate);
-            tokio::spawn(async move {
-                deletes
-                    .ack(
-                        [ack],
-                        |_| true,
-                        |acks| recorded.delete(acks, gate.lock().unwrap().take(), fails),
-                    )
-                    .await
-            })
-        };
+        let ack = |ack, gate, fails| spawn_ack(&deletes, &recorded, ack, gate, fails);
         let (open_gate, gate) = tokio::sync::oneshot::channel();
         let first = ack(1, Some(gate), false);
         until(|| deletes.running_with_none_queued()).await;
@@ -405,19 +415,7 @@ mod tests {
             }
         };
         let (open_gate, gate) = tokio::sync::oneshot::channel();
-        let gate = Mutex::new(Some(gate));
-        let first = tokio::spawn({
-            let (deletes, recorded) = (deletes.clone(), recorded.clone());
-            async move {
-                deletes
-                    .ack(
-                        [1],
-                        |_| true,
-                        |acks| recorded.delete(acks, gate.lock().unwrap().take(), false),
-                    )
-                    .await
-            }
-        });
+        let first = spawn_ack(&deletes, &recorded, 1, Some(gate), false);
         until(|| deletes.running_with_none_queued()).await;
         let later: Vec<_> = [vec![2], vec![3], vec![4, 5]]
             .into_iter()
@@ -456,28 +454,9 @@ mod tests {
             .unwrap();
         // Ack 1 waits out the spacing after ack 0's delete; ack 2 joins its group meanwhile.
         let (_never_opened, gate) = tokio::sync::oneshot::channel::<()>();
-        let gate = Mutex::new(Some(gate));
-        let runner = tokio::spawn({
-            let (deletes, recorded) = (deletes.clone(), recorded.clone());
-            async move {
-                deletes
-                    .ack(
-                        [1],
-                        |_| true,
-                        |acks| recorded.delete(acks, gate.lock().unwrap().take(), false),
-                    )
-                    .await
-            }
-        });
+        let runner = spawn_ack(&deletes, &recorded, 1, Some(gate), false);
         until(|| deletes.queued() == 1 && deletes.turn.try_lock().is_err()).await;
-        let carried = tokio::spawn({
-            let (deletes, recorded) = (deletes.clone(), recorded.clone());
-            async move {
-                deletes
-                    .ack([2], |_| true, |acks| recorded.delete(acks, None, false))
-                    .await
-            }
-        });
+        let carried = spawn_ack(&deletes, &recorded, 2, None, false);
         until(|| deletes.queued() == 2).await;
         // The paused clock moves on once every task waits: ack 1's group starts its delete.
         tokio::time::sleep(DELETE_SPACING).await;

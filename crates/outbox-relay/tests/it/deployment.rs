@@ -64,6 +64,51 @@ async fn send(url: &str, key: &str) {
         .unwrap();
 }
 
+/// Inserts `rows` events over `keys` keys, and an application's table `orders` whose row
+/// refers to the `nth` of them (a foreign key), in one transaction; returns that event's id.
+async fn an_order_refers_to_one_of(
+    db: &tokio_postgres::Client,
+    rows: i64,
+    keys: i64,
+    nth: i64,
+) -> i64 {
+    db.batch_execute(&format!(
+        "CREATE TABLE orders (event bigint REFERENCES outbox (sequence_id));
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+           SELECT 'd', 'k' || (n % {keys}), 't', '{{}}' FROM generate_series(1, {rows}) n;
+         INSERT INTO orders SELECT min(sequence_id) + {nth} - 1 FROM outbox;"
+    ))
+    .await
+    .unwrap();
+    db.query_one("SELECT event FROM orders", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Waits until the outbox holds `rows` rows (`what`, said if it never does).
+async fn outbox_rows_become(
+    db: &tokio_postgres::Client,
+    node: &RelayProcess,
+    rows: i64,
+    what: &str,
+) {
+    eventually_explained(
+        what,
+        Duration::from_secs(60),
+        || node.logs(),
+        || async {
+            let left: i64 = db
+                .query_one("SELECT count(*) FROM outbox", &[])
+                .await
+                .ok()?
+                .get(0);
+            (left == rows).then_some(())
+        },
+    )
+    .await;
+}
+
 /// Waits until `node`'s row is in the nodes table and returns its expiry as text.
 async fn registered(url: &str, node: &str, process: &RelayProcess) -> String {
     let client = pg(url).await;
@@ -795,20 +840,7 @@ async fn an_ack_refused_for_a_privilege_is_retried_without_exiting_or_publishing
     db.batch_execute("DROP TRIGGER audit_delete ON outbox")
         .await
         .unwrap();
-    eventually_explained(
-        "the acks through once the trigger is gone",
-        Duration::from_secs(60),
-        || node.logs(),
-        || async {
-            let left: i64 = db
-                .query_one("SELECT count(*) FROM outbox", &[])
-                .await
-                .ok()?
-                .get(0);
-            (left == 0).then_some(())
-        },
-    )
-    .await;
+    outbox_rows_become(&db, &node, 0, "the acks through once the trigger is gone").await;
     assert!(node.terminate().await.success(), "{}", node.logs());
     assert_eq!(read_lines(&sink).len(), 3, "each event published once");
 }
@@ -823,26 +855,8 @@ async fn a_row_a_foreign_key_keeps_holds_back_no_other_row_of_its_ack() {
     let url = outbox_testkit::fresh_pg_database().await;
     migrate_with(&url, &[]);
     let db = pg(&url).await;
-    db.batch_execute(
-        "CREATE TABLE orders (id int PRIMARY KEY, event bigint REFERENCES outbox (sequence_id));",
-    )
-    .await
-    .unwrap();
     // One transaction: the relay's first claim takes them all, one ack batch.
-    db.batch_execute(
-        "BEGIN;
-         INSERT INTO outbox (destination, partition_key, event_type, payload)
-           SELECT 'd', 'k' || (n % 5), 't', '{}' FROM generate_series(1, 20) n;
-         INSERT INTO orders SELECT 1, min(sequence_id) + 7 FROM outbox;
-         COMMIT;",
-    )
-    .await
-    .unwrap();
-    let kept: i64 = db
-        .query_one("SELECT event FROM orders", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let kept = an_order_refers_to_one_of(&db, 20, 5, 8).await;
     let dir = tempfile::tempdir().unwrap();
     let sink_path = dir.path().join("out.jsonl");
     let sink = format!("file:{}", sink_path.display());
@@ -874,20 +888,7 @@ async fn a_row_a_foreign_key_keeps_holds_back_no_other_row_of_its_ack() {
     assert!(said.contains(&format!("row {kept}")), "{said}");
     // Other keys' rows go on while it waits, and their acks leave /readyz red.
     send(&url, "other").await;
-    eventually_explained(
-        "the later row acked",
-        Duration::from_secs(60),
-        || node.logs(),
-        || async {
-            let left: i64 = db
-                .query_one("SELECT count(*) FROM outbox", &[])
-                .await
-                .ok()?
-                .get(0);
-            (left == 1).then_some(())
-        },
-    )
-    .await;
+    outbox_rows_become(&db, &node, 1, "the later row acked").await;
     let (status, body) = crate::support::http_get(&addr, "/readyz").await.unwrap();
     assert_eq!(status, 503, "{body}");
     db.batch_execute("DELETE FROM orders").await.unwrap();
@@ -959,19 +960,7 @@ async fn a_drain_that_meets_a_row_it_cannot_delete_names_it_and_leaves_no_other_
     let url = outbox_testkit::fresh_pg_database().await;
     migrate_with(&url, &[]);
     let db = pg(&url).await;
-    db.batch_execute(
-        "CREATE TABLE orders (event bigint REFERENCES outbox (sequence_id));
-         INSERT INTO outbox (destination, partition_key, event_type, payload)
-           SELECT 'd', 'k' || (n % 7), 't', '{}' FROM generate_series(1, 3000) n;
-         INSERT INTO orders SELECT min(sequence_id) + 1499 FROM outbox;",
-    )
-    .await
-    .unwrap();
-    let kept: i64 = db
-        .query_one("SELECT event FROM orders", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let kept = an_order_refers_to_one_of(&db, 3000, 7, 1500).await;
     let dir = tempfile::tempdir().unwrap();
     let sink = dir.path().join("out.jsonl");
     let out = Command::new(BIN)
