@@ -927,8 +927,12 @@ impl MySql {
         }
     }
 
-    /// One transaction: the rows are selected and locked, then marked by id.
+    /// One transaction: the rows are selected and locked, then marked by id; rows behind
+    /// an earlier row of their key that another transaction holds are left out
+    /// ([`not_behind_locked_rows`]).
     async fn claim_once(&self, sql: &Sql, claim: Claim) -> StoreResult<Vec<Row>> {
+        let mut unlocked = claim.params.clone();
+        let order = sql.claim_order(&claim.condition, &unlocked.int(claim.limit));
         let mut params = claim.params;
         let select = sql.claim_select(&claim.condition, &params.int(claim.limit), true);
         let mut conn = self.conn("claim").await?;
@@ -937,10 +941,18 @@ impl MySql {
             .await
             .map_err(|e| db_error("claim", e))?;
         let mut update = params.after();
-        let rows: Vec<Row> = tx
+        let mut rows: Vec<Row> = tx
             .exec(&select, bind(params))
             .await
             .map_err(|e| db_error("claim", e))?;
+        if !rows.is_empty() {
+            // A plain read: it waits for no lock, and sees the rows SKIP LOCKED passed.
+            let in_order: Vec<(Value, Option<String>)> = tx
+                .exec(&order, bind(unlocked))
+                .await
+                .map_err(|e| db_error("claim", e))?;
+            rows = not_behind_locked_rows(rows, &in_order);
+        }
         if let (Some((node, lease)), false) = (claim.mark, rows.is_empty()) {
             let set = sql.claim_set(&update.text(node), &update.int(lease));
             // A row whose id cannot be read back is set aside by the store, unmarked.
@@ -959,6 +971,42 @@ impl MySql {
         tx.commit().await.map_err(|e| db_error("claim", e))?;
         Ok(rows)
     }
+}
+
+/// The claimed `rows` (locked, in publish order, skipping rows other transactions hold)
+/// that no earlier row of their key was skipped for: an application's `SELECT … FOR
+/// UPDATE` on an outbox row made the claim pass it, and the later rows of its key went out
+/// first. `in_order` is the same claim read without locks, each id with its key: a key
+/// with a row there that the claim lacks is held back from that row on, and claimed rows
+/// past its end (it covers less when rows were skipped) wait for the next claim.
+fn not_behind_locked_rows(rows: Vec<Row>, in_order: &[(Value, Option<String>)]) -> Vec<Row> {
+    let claimed: Vec<Option<String>> = rows.iter().map(|r| text(col(r, 0))).collect();
+    let unlocked = in_order.iter().map(|(id, _)| text(id));
+    if in_order.len() == claimed.len() && unlocked.zip(&claimed).all(|(id, c)| id == *c) {
+        return rows;
+    }
+    let mut skipped_keys = std::collections::HashSet::new();
+    let mut keep = std::collections::HashSet::new();
+    for (id, key) in in_order {
+        let id = text(id);
+        if claimed.contains(&id) {
+            if !skipped_keys.contains(key) {
+                keep.insert(id);
+            }
+        } else {
+            skipped_keys.insert(key.clone());
+        }
+    }
+    let before = rows.len();
+    let rows: Vec<Row> = rows
+        .into_iter()
+        .filter(|r| keep.contains(&text(col(r, 0))))
+        .collect();
+    tracing::debug!(
+        left = before - rows.len(),
+        "rows behind an earlier row of their key that another transaction holds locked wait"
+    );
+    rows
 }
 
 /// `operation`, failing as a lost connection once it has waited `within`: a connection the
@@ -1154,7 +1202,11 @@ async fn lock_connection(opts: &Opts, context: &'static str) -> StoreResult<Conn
     let mut conn = Conn::new(opts.clone())
         .await
         .map_err(|e| db_error(context, e))?;
-    conn.query_drop("SET SESSION wait_timeout = @@GLOBAL.wait_timeout")
+    // The server's own bound, but never below a minute: the keeper pings every
+    // LOCK_KEEPALIVE, and a server whose wait_timeout was as short ended the session
+    // between pings, so the relay lost its lock and reaped its own rows in flight, sent
+    // again (a paused holder's session is ended by the standby, not by this bound).
+    conn.query_drop("SET SESSION wait_timeout = GREATEST(@@GLOBAL.wait_timeout, 60)")
         .await
         .map_err(|e| db_error(context, e))?;
     Ok(conn)

@@ -25,6 +25,17 @@ use uuid::Uuid;
 /// ([`MYSQL_SESSION_SETTINGS`] sets it as `wait_timeout`).
 pub const MYSQL_IDLE_SESSION: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// How long a MySQL/MariaDB statement of the relay waits for a lock, row or table
+/// ([`MYSQL_SESSION_SETTINGS`] sets `innodb_lock_wait_timeout` and `lock_wait_timeout`):
+/// less than the relay's own bound on an operation
+/// ([`outbox_core::store::OPERATION_TIMEOUT`]). The relay gives up on a statement at its
+/// bound and drops the connection, but InnoDB does not see a client gone during a lock
+/// wait: with its default of 50 s, a reap of expired leases the relay had given up on ran
+/// once the lock was let go, clearing a lease the relay still held, and the row went out
+/// again after later rows of its key. `lock_wait_timeout` (metadata locks: an `ALTER
+/// TABLE`) defaults to a year.
+pub const MYSQL_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// What every MySQL/MariaDB connection of the relay runs first, the polling store's and
 /// binlog capture's alike (and again after the pool resets a connection between uses).
 pub const MYSQL_SESSION_SETTINGS: [&str; 2] = [
@@ -37,7 +48,10 @@ pub const MYSQL_SESSION_SETTINGS: [&str; 2] = [
     // by default, and the standby that takes over waits on them: MySQL has no
     // `idle_in_transaction_session_timeout` (MariaDB's `idle_transaction_timeout` is not in
     // MySQL 8). The pools close their idle connections before the server would.
-    "SET time_zone = '+00:00', wait_timeout = 10",
+    //
+    // And a statement waits for a lock at most [`MYSQL_LOCK_WAIT`].
+    "SET time_zone = '+00:00', wait_timeout = 10, innodb_lock_wait_timeout = 20, \
+     lock_wait_timeout = 20",
     // The seed's reason: no gap locks, which in REPEATABLE READ made the application's
     // inserts wait for a claim or a delete of delivered rows in flight.
     "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
@@ -950,6 +964,18 @@ impl Sql {
         )
     }
 
+    /// The first `limit` rows matching `condition` in publish order, each id with its key,
+    /// read without locks: what a claim would take if no other transaction held a row.
+    pub fn claim_order(&self, condition: &str, limit: &str) -> String {
+        format!(
+            "SELECT {}, {} FROM {} o WHERE {condition} ORDER BY {} LIMIT {limit}",
+            self.id_expr(),
+            self.key_expr(),
+            self.table(),
+            self.order_by(),
+        )
+    }
+
     /// PostgreSQL: selects, locks and marks a claim in one statement, returning the rows
     /// (`select_list` columns) and, last, each row's place in publish order, for the
     /// executor to sort by. Sorting in SQL would cost a Sort node, which the relay's sessions
@@ -1061,6 +1087,19 @@ mod tests {
             MYSQL_SESSION_SETTINGS.iter().any(|s| s.contains(&wait)),
             "{MYSQL_SESSION_SETTINGS:?}"
         );
+    }
+
+    #[test]
+    fn the_session_settings_end_a_lock_wait_before_the_relay_gives_up_on_it() {
+        let waits = MYSQL_LOCK_WAIT.as_secs();
+        for variable in ["innodb_lock_wait_timeout", "lock_wait_timeout"] {
+            let set = format!(" {variable} = {waits}");
+            assert!(
+                MYSQL_SESSION_SETTINGS.iter().any(|s| s.contains(&set)),
+                "{MYSQL_SESSION_SETTINGS:?}"
+            );
+        }
+        assert!(MYSQL_LOCK_WAIT < outbox_core::store::OPERATION_TIMEOUT);
     }
 
     #[test]

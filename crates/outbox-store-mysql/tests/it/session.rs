@@ -3,7 +3,7 @@
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Opts, OptsBuilder, Pool};
-use outbox_layout::sql::MYSQL_IDLE_SESSION;
+use outbox_layout::sql::{MYSQL_IDLE_SESSION, MYSQL_LOCK_WAIT};
 
 fn pool(url: &str) -> Pool {
     let opts: Opts =
@@ -59,7 +59,7 @@ async fn a_transaction_its_relay_left_idle_is_rolled_back_after_the_idle_bound()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connection_back_from_the_pool_keeps_utc_read_committed_and_the_idle_bound() {
+async fn a_connection_back_from_the_pool_keeps_utc_read_committed_and_the_idle_and_lock_bounds() {
     let url = outbox_testkit::fresh_mysql_database().await;
     let opts: Opts =
         outbox_store_mysql::session_settings(OptsBuilder::from_opts(Opts::from_url(&url).unwrap()))
@@ -81,6 +81,13 @@ async fn a_connection_back_from_the_pool_keeps_utc_read_committed_and_the_idle_b
             .await
             .unwrap()
             .unwrap();
+        let lock_waits: (u64, u64) = conn
+            .query_first("SELECT @@session.innodb_lock_wait_timeout, @@session.lock_wait_timeout")
+            .await
+            .unwrap()
+            .unwrap();
+        let bound = MYSQL_LOCK_WAIT.as_secs();
+        assert_eq!(lock_waits, (bound, bound), "use {use_}");
         ids.insert(id);
         assert_eq!(zone, "+00:00", "use {use_}");
         assert_eq!(isolation, "READ-COMMITTED", "use {use_}");
