@@ -233,3 +233,30 @@ async fn a_lock_on_a_server_turned_read_only_is_let_go_and_not_taken_again() {
     admin.query_drop("SET GLOBAL read_only = 0").await.unwrap();
     outcome.unwrap();
 }
+
+/// A server whose `wait_timeout` is shorter than the lock's keepalive (1 s here, on a
+/// server of the test's own): the lock's session took the server's bound as its own, the
+/// server ended it between pings, and the relay lost the table and reaped its own rows in
+/// flight, sent again. The lock's session keeps at least a minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_active_relays_lock_outlives_a_server_wait_timeout_shorter_than_its_keepalive() {
+    use mysql_async::prelude::Queryable;
+    let server = outbox_testkit::server::ScriptedServer::start_with(
+        "mariadb",
+        "OUTBOX_TEST_MARIADB_PORT",
+        &[("MARIADB_SERVER_ID", "11")],
+    );
+    let root = format!("mysql://root@127.0.0.1:{}/mysql", server.port);
+    let mut admin = mysql_async::Conn::from_url(root.as_str()).await.unwrap();
+    admin
+        .query_drop("CREATE DATABASE shop; SET GLOBAL wait_timeout = 1")
+        .await
+        .unwrap();
+    let first = store(&format!("mysql://root@127.0.0.1:{}/shop", server.port));
+    first.migrate().await.unwrap();
+    first.insert(vec![keyed_event("k", 0)]).await.unwrap();
+    assert_eq!(first.claim(claim_by("first")).await.unwrap().len(), 1);
+    // Idle, by design, for longer than the server's bound.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(first.is_active().await, "the lock's connection was ended");
+}
