@@ -230,6 +230,9 @@ struct OwnershipSeen {
     /// The busy partitions last reported, with the generation they were reported at.
     reported_busy: std::collections::BTreeSet<i32>,
     reported_generation: u64,
+    /// No partition was publishable when last acted on (a standby, a node the table's
+    /// lock or every lease was lost by): its publishes' failures are not reported.
+    holds_none: bool,
 }
 
 impl Default for OwnershipSeen {
@@ -239,6 +242,7 @@ impl Default for OwnershipSeen {
             next_expiry: None,
             reported_busy: std::collections::BTreeSet::new(),
             reported_generation: u64::MAX,
+            holds_none: false,
         }
     }
 }
@@ -799,12 +803,14 @@ impl Engine {
                 self.publisher.describe()
             )
         });
-        self.publish_streaks.batch(
-            group,
-            !acked.is_empty(),
-            streak_error,
-            std::time::Instant::now(),
-        );
+        if !self.ownership_seen.holds_none {
+            self.publish_streaks.batch(
+                group,
+                !acked.is_empty(),
+                streak_error,
+                std::time::Instant::now(),
+            );
+        }
         if !acked.is_empty() {
             self.config.shared.health.record(Check::Publish, Ok(()));
         }
@@ -1029,8 +1035,16 @@ impl Engine {
             seen.generation = ownership.generation();
             let (publishable, next) = ownership.publishable(now);
             seen.next_expiry = next;
+            seen.holds_none = publishable.is_empty();
             let dropped = self.lanes.keep_only_partitions(&publishable);
             self.release(dropped);
+            // A standby that failed to publish before it lost its partitions (paused past
+            // its lease, its sink timing out meanwhile) said so on `/readyz` for minutes,
+            // with nothing of its own to publish.
+            if self.ownership_seen.holds_none && !self.publish_streaks.is_empty() {
+                self.publish_streaks.clear();
+                self.config.shared.health.clear_failure(Check::Publish);
+            }
         }
     }
 

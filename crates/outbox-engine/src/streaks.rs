@@ -57,6 +57,12 @@ impl PublishStreaks {
     pub fn is_empty(&self) -> bool {
         self.groups.is_empty()
     }
+
+    /// Forgets every streak: the node publishes nothing now (a standby), and a failure
+    /// from before says nothing of it.
+    pub fn clear(&mut self) {
+        self.groups.clear();
+    }
 }
 
 #[cfg(test)]
