@@ -368,7 +368,7 @@ async fn check_database(config: &Config) -> anyhow::Result<DatabaseCheck> {
         problems.extend(store.check_only_problems().await);
     }
     match verified {
-        Ok(problems) if problems.is_empty() => outln!("ok: tables, trigger and privileges"),
+        Ok(problems) if problems.is_empty() => outln!("ok: {}", store.verified_objects()),
         Ok(problems) => {
             failed |= problems.iter().any(|p| p.fails_check());
             print_problems(&problems);

@@ -45,6 +45,20 @@ pub enum AnyStore {
     Sqlite(SqliteStore),
 }
 
+impl AnyStore {
+    /// What `check` verified of the schema when it found nothing wrong: MySQL and SQLite
+    /// have no trigger of the relay's (it said it checked one there).
+    pub fn verified_objects(&self) -> &'static str {
+        match self {
+            AnyStore::Postgres(_) | AnyStore::PostgresWal(..) | AnyStore::MappedPostgres(_) => {
+                "tables, trigger and privileges"
+            }
+            AnyStore::MySql(_) | AnyStore::MySqlBinlog(..) => "tables and privileges",
+            AnyStore::Sqlite(_) => "tables",
+        }
+    }
+}
+
 /// Which store to open and how, resolved from the settings by [`crate::config::Config::store_settings`].
 #[derive(Clone, Debug)]
 pub enum StoreSettings {

@@ -687,9 +687,8 @@ async fn native_layout_on_mariadb_migrates_sends_and_relays() {
     let h = Harness::on(outbox_testkit::fresh_mysql_database().await).await;
     h.configure("native", &["orders.*"]);
     h.cli(&["migrate"]);
-    assert!(h
-        .check_store()
-        .contains("ok: tables, trigger and privileges"));
+    // No trigger of the relay's on MySQL: none is said to be checked.
+    assert!(h.check_store().contains("ok: tables and privileges\n"));
     for n in 1..=3 {
         h.cli(&[
             "send",
