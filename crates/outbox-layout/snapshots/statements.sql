@@ -120,9 +120,16 @@ SELECT (o."sequence_id")::int8, NULL::text, (o."channel")::text, NULL::text, (o.
 SELECT (o."sequence_id")::int8, NULL::text, (o."channel")::text, NULL::text, (o."name")::text, (o."data")::text, (o."headers")::text, (o."mutation_id")::text, (CASE WHEN o."rejected" THEN 1 ELSE 0 END)::int8, NULL::int8, NULL::int8, NULL::int8, NULL::text, NULL::text FROM "public"."outbox" o WHERE :condition ORDER BY o."sequence_id" LIMIT $n FOR UPDATE SKIP LOCKED
 
 -- adbc, Postgres: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o."sequence_id" AS id FROM "public"."outbox" o WHERE :condition
-                                 ORDER BY o."sequence_id" LIMIT $n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o."sequence_id" AS id FROM "public"."outbox" o WHERE :condition
+                         ORDER BY o."sequence_id" LIMIT $n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o."sequence_id" AS id, (o."channel")::text AS k FROM "public"."outbox" o WHERE :condition
+                                 ORDER BY o."sequence_id" LIMIT $n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE "public"."outbox" o SET "locked_by" = $node, "lock_expiry" = (now() AT TIME ZONE 'UTC') + $lease::int8 * interval '1 millisecond' FROM c
               WHERE o."sequence_id" = c.id AND $node IS NOT NULL AND $lease >= 0
              RETURNING (o."sequence_id")::int8, NULL::text, (o."channel")::text, NULL::text, (o."name")::text, (o."data")::text, (o."headers")::text, (o."mutation_id")::text, (CASE WHEN o."rejected" THEN 1 ELSE 0 END)::int8, NULL::int8, NULL::int8, NULL::int8, NULL::text, NULL::text, c.n
@@ -306,9 +313,16 @@ SELECT (o.`sequence_id` + 0), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`nam
 SELECT (o.`sequence_id` + 0), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL FROM `public`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- adbc, MySql: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o.`sequence_id` AS id FROM `public`.`outbox` o WHERE :condition
-                                 ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o.`sequence_id` AS id FROM `public`.`outbox` o WHERE :condition
+                         ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o.`sequence_id` AS id, CAST(o.`channel` AS CHAR) AS k FROM `public`.`outbox` o WHERE :condition
+                                 ORDER BY o.`sequence_id` LIMIT :n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE `public`.`outbox` o SET `locked_by` = :node, `lock_expiry` = UTC_TIMESTAMP(6) + INTERVAL (:lease * 1000) MICROSECOND FROM c
               WHERE o.`sequence_id` = c.id AND :node IS NOT NULL AND :lease >= 0
              RETURNING (o.`sequence_id` + 0), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL, c.n
@@ -504,9 +518,16 @@ SELECT o."event_id", (o."event_id")::text, (o."event_type")::text, (o."partition
 SELECT o."event_id", (o."event_id")::text, (o."event_type")::text, (o."partition_key")::text, (o."event_type")::text, o."payload", (o."headers")::text, NULL::text, NULL::int8, (o."attempts")::int8, CASE WHEN isfinite(o."created_at") THEN (extract(epoch from o."created_at") * 1000000)::int8 WHEN o."created_at" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, NULL::int8, NULL::text, NULL::text FROM "public"."openoutbox_events" o WHERE :condition ORDER BY o."created_at", o."event_id" LIMIT $n FOR UPDATE SKIP LOCKED
 
 -- open_outbox, Postgres: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o."event_id" AS id FROM "public"."openoutbox_events" o WHERE :condition
-                                 ORDER BY o."created_at", o."event_id" LIMIT $n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o."event_id" AS id FROM "public"."openoutbox_events" o WHERE :condition
+                         ORDER BY o."created_at", o."event_id" LIMIT $n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o."event_id" AS id, coalesce((o."partition_key")::text, (o."event_type")::text) AS k FROM "public"."openoutbox_events" o WHERE :condition
+                                 ORDER BY o."created_at", o."event_id" LIMIT $n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE "public"."openoutbox_events" o SET "status" = 'DELIVERING', "locked_by" = $node, "locked_at" = now(), "updated_at" = now() FROM c
               WHERE o."event_id" = c.id AND $node IS NOT NULL AND $lease >= 0
              RETURNING o."event_id", (o."event_id")::text, (o."event_type")::text, (o."partition_key")::text, (o."event_type")::text, o."payload", (o."headers")::text, NULL::text, NULL::int8, (o."attempts")::int8, CASE WHEN isfinite(o."created_at") THEN (extract(epoch from o."created_at") * 1000000)::int8 WHEN o."created_at" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, NULL::int8, NULL::text, NULL::text, c.n
@@ -702,9 +723,16 @@ SELECT o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), C
 SELECT o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `public`.`openoutbox_events` o WHERE :condition ORDER BY o.`created_at`, o.`event_id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- open_outbox, MySql: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o.`event_id` AS id FROM `public`.`openoutbox_events` o WHERE :condition
-                                 ORDER BY o.`created_at`, o.`event_id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o.`event_id` AS id FROM `public`.`openoutbox_events` o WHERE :condition
+                         ORDER BY o.`created_at`, o.`event_id` LIMIT :n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o.`event_id` AS id, coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR)) AS k FROM `public`.`openoutbox_events` o WHERE :condition
+                                 ORDER BY o.`created_at`, o.`event_id` LIMIT :n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE `public`.`openoutbox_events` o SET `status` = 'DELIVERING', `locked_by` = :node, `locked_at` = UTC_TIMESTAMP(6), `updated_at` = UTC_TIMESTAMP(6) FROM c
               WHERE o.`event_id` = c.id AND :node IS NOT NULL AND :lease >= 0
              RETURNING o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, c.n
@@ -894,9 +922,16 @@ SELECT (o."id")::int8, NULL::text, (o."type_code")::text, NULL::text, (o."type_c
 SELECT (o."id")::int8, NULL::text, (o."type_code")::text, NULL::text, (o."type_code")::text, (o."payload")::text, NULL::text, NULL::text, NULL::int8, (o."processing_retries_count")::int8, CASE WHEN isfinite(o."created_at") THEN (extract(epoch from o."created_at") * 1000000)::int8 WHEN o."created_at" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, ((SELECT mx."max_retry_count" + 1 FROM "public"."event_type" mx WHERE mx."code" = o."type_code"))::int8, NULL::text, NULL::text FROM "public"."event" o WHERE :condition ORDER BY o."id" LIMIT $n FOR UPDATE SKIP LOCKED
 
 -- export, Postgres: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o."id" AS id FROM "public"."event" o WHERE :condition
-                                 ORDER BY o."id" LIMIT $n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o."id" AS id FROM "public"."event" o WHERE :condition
+                         ORDER BY o."id" LIMIT $n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o."id" AS id, 'row:' || (o."id")::text AS k FROM "public"."event" o WHERE :condition
+                                 ORDER BY o."id" LIMIT $n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE "public"."event" o SET "status" = 'PROCESSING', "updated_at" = now() FROM c
               WHERE o."id" = c.id AND $node IS NOT NULL AND $lease >= 0
              RETURNING (o."id")::int8, NULL::text, (o."type_code")::text, NULL::text, (o."type_code")::text, (o."payload")::text, NULL::text, NULL::text, NULL::int8, (o."processing_retries_count")::int8, CASE WHEN isfinite(o."created_at") THEN (extract(epoch from o."created_at") * 1000000)::int8 WHEN o."created_at" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, ((SELECT mx."max_retry_count" + 1 FROM "public"."event_type" mx WHERE mx."code" = o."type_code"))::int8, NULL::text, NULL::text, c.n
@@ -1086,9 +1121,16 @@ SELECT (o.`id` + 0), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code`
 SELECT (o.`id` + 0), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL FROM `public`.`event` o WHERE :condition ORDER BY o.`id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- export, MySql: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o.`id` AS id FROM `public`.`event` o WHERE :condition
-                                 ORDER BY o.`id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o.`id` AS id FROM `public`.`event` o WHERE :condition
+                         ORDER BY o.`id` LIMIT :n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o.`id` AS id, CONCAT('row:', CAST(o.`id` AS CHAR)) AS k FROM `public`.`event` o WHERE :condition
+                                 ORDER BY o.`id` LIMIT :n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE `public`.`event` o SET `status` = 'PROCESSING', `updated_at` = UTC_TIMESTAMP(6) FROM c
               WHERE o.`id` = c.id AND :node IS NOT NULL AND :lease >= 0
              RETURNING (o.`id` + 0), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL, c.n
@@ -1299,9 +1341,16 @@ SELECT (o."relay_sequence")::int8, (o."id")::text, (o."aggregatetype")::text, (o
 SELECT (o."relay_sequence")::int8, (o."id")::text, (o."aggregatetype")::text, (o."aggregateid")::text, (o."type")::text, (o."payload")::text, NULL::text, NULL::text, NULL::int8, NULL::int8, CASE WHEN isfinite(o."timestamp") THEN (extract(epoch from o."timestamp") * 1000000)::int8 WHEN o."timestamp" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, NULL::int8, (o."tracingspancontext")::text, NULL::text FROM "public"."outboxevent" o WHERE :condition ORDER BY o."relay_sequence" LIMIT $n FOR UPDATE SKIP LOCKED
 
 -- debezium, Postgres: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o."relay_sequence" AS id FROM "public"."outboxevent" o WHERE :condition
-                                 ORDER BY o."relay_sequence" LIMIT $n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o."relay_sequence" AS id FROM "public"."outboxevent" o WHERE :condition
+                         ORDER BY o."relay_sequence" LIMIT $n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o."relay_sequence" AS id, coalesce((o."aggregateid")::text, (o."aggregatetype")::text) AS k FROM "public"."outboxevent" o WHERE :condition
+                                 ORDER BY o."relay_sequence" LIMIT $n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE "public"."outboxevent" o SET  FROM c
               WHERE o."relay_sequence" = c.id AND $node IS NOT NULL AND $lease >= 0
              RETURNING (o."relay_sequence")::int8, (o."id")::text, (o."aggregatetype")::text, (o."aggregateid")::text, (o."type")::text, (o."payload")::text, NULL::text, NULL::text, NULL::int8, NULL::int8, CASE WHEN isfinite(o."timestamp") THEN (extract(epoch from o."timestamp") * 1000000)::int8 WHEN o."timestamp" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, NULL::int8, (o."tracingspancontext")::text, NULL::text, c.n
@@ -1514,9 +1563,16 @@ SELECT (o.`relay_sequence` + 0), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS
 SELECT (o.`relay_sequence` + 0), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL FROM `public`.`outboxevent` o WHERE :condition ORDER BY o.`relay_sequence` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- debezium, MySql: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o.`relay_sequence` AS id FROM `public`.`outboxevent` o WHERE :condition
-                                 ORDER BY o.`relay_sequence` LIMIT :n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o.`relay_sequence` AS id FROM `public`.`outboxevent` o WHERE :condition
+                         ORDER BY o.`relay_sequence` LIMIT :n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o.`relay_sequence` AS id, coalesce(CAST(o.`aggregateid` AS CHAR), CAST(o.`aggregatetype` AS CHAR)) AS k FROM `public`.`outboxevent` o WHERE :condition
+                                 ORDER BY o.`relay_sequence` LIMIT :n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE `public`.`outboxevent` o SET  FROM c
               WHERE o.`relay_sequence` = c.id AND :node IS NOT NULL AND :lease >= 0
              RETURNING (o.`relay_sequence` + 0), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL, c.n
@@ -1716,9 +1772,16 @@ SELECT (o."id")::int8, NULL::text, (o."type")::text, NULL::text, (o."type")::tex
 SELECT (o."id")::int8, NULL::text, (o."type")::text, NULL::text, (o."type")::text, (o."message")::text, NULL::text, NULL::text, NULL::int8, NULL::int8, CASE WHEN isfinite(o."createdAt") THEN (extract(epoch from o."createdAt") * 1000000)::int8 WHEN o."createdAt" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, NULL::int8, NULL::text, NULL::text FROM "outbox_events" o WHERE :condition ORDER BY o."createdAt", o."id" LIMIT $n FOR UPDATE SKIP LOCKED
 
 -- mysql_outbox_events, Postgres: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o."id" AS id FROM "outbox_events" o WHERE :condition
-                                 ORDER BY o."createdAt", o."id" LIMIT $n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o."id" AS id FROM "outbox_events" o WHERE :condition
+                         ORDER BY o."createdAt", o."id" LIMIT $n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o."id" AS id, (o."type")::text AS k FROM "outbox_events" o WHERE :condition
+                                 ORDER BY o."createdAt", o."id" LIMIT $n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE "outbox_events" o SET  FROM c
               WHERE o."id" = c.id AND $node IS NOT NULL AND $lease >= 0
              RETURNING (o."id")::int8, NULL::text, (o."type")::text, NULL::text, (o."type")::text, (o."message")::text, NULL::text, NULL::text, NULL::int8, NULL::int8, CASE WHEN isfinite(o."createdAt") THEN (extract(epoch from o."createdAt") * 1000000)::int8 WHEN o."createdAt" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, NULL::int8, NULL::text, NULL::text, c.n
@@ -1919,9 +1982,16 @@ SELECT (o.`id` + 0), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR),
 SELECT (o.`id` + 0), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL FROM `outbox_events` o WHERE :condition ORDER BY o.`createdAt`, o.`id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- mysql_outbox_events, MySql: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o.`id` AS id FROM `outbox_events` o WHERE :condition
-                                 ORDER BY o.`createdAt`, o.`id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o.`id` AS id FROM `outbox_events` o WHERE :condition
+                         ORDER BY o.`createdAt`, o.`id` LIMIT :n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o.`id` AS id, CAST(o.`type` AS CHAR) AS k FROM `outbox_events` o WHERE :condition
+                                 ORDER BY o.`createdAt`, o.`id` LIMIT :n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE `outbox_events` o SET  FROM c
               WHERE o.`id` = c.id AND :node IS NOT NULL AND :lease >= 0
              RETURNING (o.`id` + 0), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL, c.n
@@ -2117,9 +2187,16 @@ SELECT (o."sequence_id")::int8, (o."event_id")::text, (o."destination")::text, (
 SELECT (o."sequence_id")::int8, (o."event_id")::text, (o."destination")::text, (o."partition_key")::text, (o."event_type")::text, (o."payload")::text, (o."headers")::text, (o."mutation_id")::text, (CASE WHEN o."rejected" THEN 1 ELSE 0 END)::int8, (o."attempts")::int8, CASE WHEN isfinite(o."created_at") THEN (extract(epoch from o."created_at") * 1000000)::int8 WHEN o."created_at" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, NULL::int8, NULL::text, NULL::text FROM "app"."outbox" o WHERE :condition ORDER BY o."sequence_id" LIMIT $n FOR UPDATE SKIP LOCKED
 
 -- native_mysql, Postgres: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o."sequence_id" AS id FROM "app"."outbox" o WHERE :condition
-                                 ORDER BY o."sequence_id" LIMIT $n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o."sequence_id" AS id FROM "app"."outbox" o WHERE :condition
+                         ORDER BY o."sequence_id" LIMIT $n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o."sequence_id" AS id, coalesce((o."partition_key")::text, (o."destination")::text) AS k FROM "app"."outbox" o WHERE :condition
+                                 ORDER BY o."sequence_id" LIMIT $n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE "app"."outbox" o SET "locked_by" = $node, "locked_until" = now() + $lease::int8 * interval '1 millisecond' FROM c
               WHERE o."sequence_id" = c.id AND $node IS NOT NULL AND $lease >= 0
              RETURNING (o."sequence_id")::int8, (o."event_id")::text, (o."destination")::text, (o."partition_key")::text, (o."event_type")::text, (o."payload")::text, (o."headers")::text, (o."mutation_id")::text, (CASE WHEN o."rejected" THEN 1 ELSE 0 END)::int8, (o."attempts")::int8, CASE WHEN isfinite(o."created_at") THEN (extract(epoch from o."created_at") * 1000000)::int8 WHEN o."created_at" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, NULL::int8, NULL::text, NULL::text, c.n
@@ -2313,9 +2390,16 @@ SELECT (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` A
 SELECT (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `app`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- native_mysql, MySql: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o.`sequence_id` AS id FROM `app`.`outbox` o WHERE :condition
-                                 ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o.`sequence_id` AS id FROM `app`.`outbox` o WHERE :condition
+                         ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o.`sequence_id` AS id, coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) AS k FROM `app`.`outbox` o WHERE :condition
+                                 ORDER BY o.`sequence_id` LIMIT :n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE `app`.`outbox` o SET `locked_by` = :node, `locked_until` = UTC_TIMESTAMP(6) + INTERVAL (:lease * 1000) MICROSECOND FROM c
               WHERE o.`sequence_id` = c.id AND :node IS NOT NULL AND :lease >= 0
              RETURNING (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, c.n
@@ -2509,9 +2593,16 @@ SELECT (o."sequence_id")::int8, (o."event_id")::text, (o."destination")::text, (
 SELECT (o."sequence_id")::int8, (o."event_id")::text, (o."destination")::text, (o."partition_key")::text, (o."event_type")::text, (o."payload")::text, (o."headers")::text, (o."mutation_id")::text, (CASE WHEN o."rejected" THEN 1 ELSE 0 END)::int8, (o."attempts")::int8, CASE WHEN isfinite(o."created_at") THEN (extract(epoch from o."created_at") * 1000000)::int8 WHEN o."created_at" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, NULL::int8, NULL::text, NULL::text FROM "outbox" o WHERE :condition ORDER BY o."sequence_id" LIMIT $n FOR UPDATE SKIP LOCKED
 
 -- native_mysql retained, Postgres: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o."sequence_id" AS id FROM "outbox" o WHERE :condition
-                                 ORDER BY o."sequence_id" LIMIT $n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o."sequence_id" AS id FROM "outbox" o WHERE :condition
+                         ORDER BY o."sequence_id" LIMIT $n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o."sequence_id" AS id, coalesce((o."partition_key")::text, (o."destination")::text) AS k FROM "outbox" o WHERE :condition
+                                 ORDER BY o."sequence_id" LIMIT $n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE "outbox" o SET "locked_by" = $node, "locked_until" = now() + $lease::int8 * interval '1 millisecond' FROM c
               WHERE o."sequence_id" = c.id AND $node IS NOT NULL AND $lease >= 0
              RETURNING (o."sequence_id")::int8, (o."event_id")::text, (o."destination")::text, (o."partition_key")::text, (o."event_type")::text, (o."payload")::text, (o."headers")::text, (o."mutation_id")::text, (CASE WHEN o."rejected" THEN 1 ELSE 0 END)::int8, (o."attempts")::int8, CASE WHEN isfinite(o."created_at") THEN (extract(epoch from o."created_at") * 1000000)::int8 WHEN o."created_at" > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END, NULL::int8, NULL::text, NULL::text, c.n
@@ -2705,9 +2796,16 @@ SELECT (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` A
 SELECT (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- native_mysql retained, MySql: claim_and_mark
-WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT o.`sequence_id` AS id FROM `outbox` o WHERE :condition
-                                 ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
+WITH l AS (SELECT o.`sequence_id` AS id FROM `outbox` o WHERE :condition
+                         ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT o.`sequence_id` AS id, coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) AS k FROM `outbox` o WHERE :condition
+                                 ORDER BY o.`sequence_id` LIMIT :n) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE `outbox` o SET `locked_by` = :node, `locked_until` = UTC_TIMESTAMP(6) + INTERVAL (:lease * 1000) MICROSECOND FROM c
               WHERE o.`sequence_id` = c.id AND :node IS NOT NULL AND :lease >= 0
              RETURNING (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, c.n

@@ -89,6 +89,12 @@ pub trait Harness: Send + Sync {
     fn odd_created_at(&self) -> Vec<OddTime> {
         panic!("a store that cannot hold an odd created_at marks created_at not applicable")
     }
+    /// Holds row `id` locked from a transaction of another session, as an application's
+    /// `SELECT … FOR UPDATE` does (`Some`), or ends that transaction (`None`) (the
+    /// `row_locks` case).
+    fn lock_row_elsewhere(&self, _id: Option<SequenceId>) -> BoxFuture<'_, ()> {
+        panic!("a store without row locks marks row_locks not applicable")
+    }
     /// What `verify` says of a renamed column (the `renamed_column` case).
     fn renamed_column(&self) -> RenamedColumn {
         panic!(
@@ -101,7 +107,7 @@ pub trait Harness: Send + Sync {
 ///
 /// - `store_conformance!(new_harness)`: every test.
 /// - `store_conformance!(new_harness; long_keys: M, owned_partitions: M, created_at: M,
-///   renamed_column: M)`: the lifecycle tests, and each group of cases run (`M` = `run`),
+///   renamed_column: M, row_locks: M)`: the lifecycle tests, and each group of cases run (`M` = `run`),
 ///   left out with the reason it does not apply to the store (`M` = `not_applicable("…")`), or
 ///   ignored for a bug of the store's, named (`M` = `known_bug("…")`: `--run-ignored` runs it).
 /// - `store_conformance!(@groups new_harness; …)`: the groups alone, as above.
@@ -110,7 +116,8 @@ pub trait Harness: Send + Sync {
 macro_rules! store_conformance {
     ($new_harness:path) => {
         $crate::store_conformance!($new_harness;
-            long_keys: run, owned_partitions: run, created_at: run, renamed_column: run);
+            long_keys: run, owned_partitions: run, created_at: run, renamed_column: run,
+            row_locks: run);
     };
     ($new_harness:path; $($groups:tt)*) => {
         $crate::store_conformance!(@tests $new_harness;
@@ -144,7 +151,8 @@ macro_rules! store_conformance {
         long_keys: $long_keys:ident $(($long_keys_reason:literal))?,
         owned_partitions: $owned:ident $(($owned_reason:literal))?,
         created_at: $created_at:ident $(($created_at_reason:literal))?,
-        renamed_column: $renamed:ident $(($renamed_reason:literal))? $(,)?
+        renamed_column: $renamed:ident $(($renamed_reason:literal))?,
+        row_locks: $row_locks:ident $(($row_locks_reason:literal))? $(,)?
     ) => {
         $crate::store_conformance!(@group $new_harness; $long_keys $(($long_keys_reason))?;
             a_10kb_key_is_claimed_retried_and_delivered_without_ordering,
@@ -155,6 +163,8 @@ macro_rules! store_conformance {
             created_at_before_1970_is_delivered_and_beyond_9999_is_dead_lettered);
         $crate::store_conformance!(@group $new_harness; $renamed $(($renamed_reason))?;
             verify_names_a_renamed_column);
+        $crate::store_conformance!(@group $new_harness; $row_locks $(($row_locks_reason))?;
+            a_row_another_transaction_holds_locked_holds_back_its_key_only);
     };
     (@group $new_harness:path; run; $($name:ident),*) => {
         $crate::store_conformance!(@tests $new_harness; $($name),*);
@@ -1216,6 +1226,33 @@ pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {
         "fast key waited for the slow key's retries"
     );
     assert_eq!(attempts_of(&publisher, seq[0]), 3);
+}
+
+/// A row an application holds locked (`SELECT … FOR UPDATE` in its own transaction): the
+/// claim's SKIP LOCKED passed over it and took the later rows of its key, which went out
+/// before it. Its key now waits from that row on; the other keys are claimed.
+pub async fn a_row_another_transaction_holds_locked_holds_back_its_key_only(h: &dyn Harness) {
+    let store = h.store();
+    let rows = [
+        ("d", Some("a"), "t", 0),
+        ("d", Some("b"), "t", 1),
+        ("d", Some("a"), "t", 2),
+        ("d", Some("b"), "t", 3),
+        ("d", Some("a"), "t", 4),
+    ];
+    let ids = insert(&*store, &rows).await;
+    let claimed_keys = || async {
+        let request = ClaimRequest::new(NodeId::random(), 10, Duration::from_secs(30));
+        let claimed = store.claim(request).await.unwrap();
+        claimed
+            .iter()
+            .map(|c| c.ordering_key().to_string())
+            .collect::<Vec<_>>()
+    };
+    h.lock_row_elsewhere(Some(ids[0])).await;
+    assert_eq!(claimed_keys().await, ["b", "b"], "a's later rows wait");
+    h.lock_row_elsewhere(None).await;
+    assert_eq!(claimed_keys().await, ["a", "a", "a"]);
 }
 
 /// A row the database refuses to delete (an application's table keeps a foreign key to

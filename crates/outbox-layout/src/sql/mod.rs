@@ -988,15 +988,25 @@ impl Sql {
         node: &str,
         lease_ms: &str,
     ) -> String {
-        let (t, id) = (self.table(), self.id());
+        let (t, id, key, order) = (self.table(), self.id(), self.key_expr(), self.order_by());
+        // `l` is what SKIP LOCKED takes; `u` the same rows read without locks, in order
+        // (`n`), which has the rows another transaction holds too (an application's
+        // `SELECT … FOR UPDATE`): a key is taken only up to its first row `l` passed, or
+        // its later rows went out first. Rows of `l` past the end of `u` wait.
         format!(
-            "WITH c AS (SELECT l.id, row_number() OVER () AS n
-                          FROM (SELECT {id} AS id FROM {t} o WHERE {condition}
-                                 ORDER BY {} LIMIT {limit} FOR UPDATE SKIP LOCKED) l)
+            "WITH l AS (SELECT {id} AS id FROM {t} o WHERE {condition}
+                         ORDER BY {order} LIMIT {limit} FOR UPDATE SKIP LOCKED),
+                  u AS (SELECT x.id, x.k, row_number() OVER () AS n
+                          FROM (SELECT {id} AS id, {key} AS k FROM {t} o WHERE {condition}
+                                 ORDER BY {order} LIMIT {limit}) x),
+                  passed AS (SELECT k, min(n) AS n FROM u
+                              WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = u.id) GROUP BY k),
+                  c AS (SELECT u.id, u.n FROM u JOIN l ON l.id = u.id
+                          LEFT JOIN passed ON passed.k IS NOT DISTINCT FROM u.k
+                         WHERE passed.n IS NULL OR u.n < passed.n)
              UPDATE {t} o SET {} FROM c
               WHERE {id} = c.id AND {node} IS NOT NULL AND {lease_ms} >= 0
              RETURNING {}, c.n",
-            self.order_by(),
             self.claim_set(node, lease_ms).join(", "),
             self.select_list(),
         )

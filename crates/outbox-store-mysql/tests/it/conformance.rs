@@ -18,6 +18,8 @@ struct MySqlHarness {
     store: MySqlStore,
     retaining: MySqlStore,
     pool: mysql_async::Pool,
+    /// A session of its own, holding a row locked for the `row_locks` case.
+    locker: tokio::sync::Mutex<Option<mysql_async::Conn>>,
 }
 
 fn store(url: &str, retain: bool) -> MySqlStore {
@@ -41,6 +43,7 @@ async fn new_harness() -> MySqlHarness {
         retaining: store(&url, true),
         store: s,
         pool: mysql_async::Pool::new(url.as_str()),
+        locker: tokio::sync::Mutex::new(None),
     }
 }
 
@@ -122,6 +125,28 @@ impl Harness for MySqlHarness {
         .boxed()
     }
 
+    fn lock_row_elsewhere(&self, id: Option<SequenceId>) -> BoxFuture<'_, ()> {
+        async move {
+            let mut locker = self.locker.lock().await;
+            match id {
+                Some(id) => {
+                    let mut conn = self.pool.get_conn().await.unwrap();
+                    conn.query_drop(format!(
+                        "BEGIN; SELECT 1 FROM outbox WHERE sequence_id = {id} FOR UPDATE"
+                    ))
+                    .await
+                    .unwrap();
+                    *locker = Some(conn);
+                }
+                None => {
+                    let mut conn = locker.take().expect("a row locked");
+                    conn.query_drop("COMMIT").await.unwrap();
+                }
+            }
+        }
+        .boxed()
+    }
+
     /// A trigger's SIGNAL, as MariaDB's foreign keys need the referencing column's exact type.
     fn refuse_deleting(&self, id: Option<SequenceId>) -> BoxFuture<'_, ()> {
         let sql = match id {
@@ -188,7 +213,8 @@ outbox_testkit::store_conformance!(new_harness;
     long_keys: not_applicable("the native table's partition_key holds 255 characters: a longer key is refused at insert with the fix (a_10kb_key_is_refused_at_insert_with_the_fix below)"),
     owned_partitions: not_applicable("MySQL has no partition leases: one active relay per table"),
     created_at: run,
-    renamed_column: run);
+    renamed_column: run,
+    row_locks: run);
 
 /// Ordering keys longer than the native table's column. The key is not indexed on MySQL
 /// (blocked keys are passed to the claim as values), so no index row limit applies; the

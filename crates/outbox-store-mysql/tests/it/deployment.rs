@@ -336,34 +336,3 @@ async fn verify_names_a_write_the_role_may_not_make() {
         .await
         .unwrap();
 }
-
-/// A row an application holds locked (`SELECT … FOR UPDATE` in its own transaction): the
-/// claim's SKIP LOCKED passed over it and took the later rows of its key, which went out
-/// before it. Its key now waits from that row on; the other keys are claimed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_row_an_application_holds_locked_holds_back_its_key_only() {
-    use mysql_async::prelude::Queryable;
-    let url = outbox_testkit::fresh_mysql_database().await;
-    let store = native_store(&url, None);
-    store.migrate().await.unwrap();
-    let mut app = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
-    app.query_drop(
-        "INSERT INTO outbox (destination, partition_key, event_type, payload) VALUES
-           ('d', 'a', 't', '{}'), ('d', 'b', 't', '{}'), ('d', 'a', 't', '{}'),
-           ('d', 'b', 't', '{}'), ('d', 'a', 't', '{}')",
-    )
-    .await
-    .unwrap();
-    app.query_drop(
-        "BEGIN; SELECT * FROM outbox WHERE partition_key = 'a' ORDER BY sequence_id LIMIT 1 FOR UPDATE",
-    )
-    .await
-    .unwrap();
-    assert_eq!(
-        claimed_keys(&store).await,
-        ["b", "b"],
-        "a's later rows wait"
-    );
-    app.query_drop("COMMIT").await.unwrap();
-    assert_eq!(claimed_keys(&store).await, ["a", "a", "a"]);
-}

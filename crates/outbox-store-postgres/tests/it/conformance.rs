@@ -17,6 +17,8 @@ struct PgHarness<S> {
     store: S,
     retaining: S,
     client: tokio_postgres::Client,
+    /// A session of its own, holding a row locked for the `row_locks` case.
+    locker: tokio_postgres::Client,
     /// The outbox table.
     table: &'static str,
     /// Which of its rows are still queued (a mapped table keeps dead rows, marked).
@@ -57,6 +59,7 @@ async fn new_harness() -> PgHarness<PgStore> {
     PgHarness {
         retaining: PgStore::new(options(&url, true)).unwrap(),
         client: connect(&url).await,
+        locker: connect(&url).await,
         table: "outbox",
         queued: "true",
         dead: "outbox_dead_letters",
@@ -133,6 +136,17 @@ where
 
     fn execute<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, ()> {
         async move { self.client.batch_execute(sql).await.unwrap() }.boxed()
+    }
+
+    fn lock_row_elsewhere(&self, id: Option<SequenceId>) -> BoxFuture<'_, ()> {
+        let sql = match id {
+            Some(id) => format!(
+                "BEGIN; SELECT 1 FROM {} WHERE sequence_id = {id} FOR UPDATE",
+                self.table
+            ),
+            None => "COMMIT".into(),
+        };
+        async move { self.locker.batch_execute(&sql).await.unwrap() }.boxed()
     }
 
     fn refuse_deleting(&self, id: Option<SequenceId>) -> BoxFuture<'_, ()> {
@@ -213,7 +227,12 @@ where
     }
 }
 
-outbox_testkit::store_conformance!(new_harness);
+outbox_testkit::store_conformance!(new_harness;
+    long_keys: run,
+    owned_partitions: run,
+    created_at: run,
+    renamed_column: run,
+    row_locks: known_bug("the native claim's second pass sees earlier rows of a key that were leased or failed, and other claims' rows through the key locks, not a fresh row an application holds locked (SELECT … FOR UPDATE, or FOR KEY SHARE from a foreign key's check): SKIP LOCKED passes it and later rows of its key go first; the fix compares the claim with an unlocked read, which doubles the claim's scan and needs measuring"));
 
 /// Dead letters have a table of their own here, so one whose event the application wrote
 /// again collides with it: see the case's own account.
@@ -276,6 +295,7 @@ mod mapped {
             retaining: self::store(&url, true),
             store,
             client,
+            locker: connect(&url).await,
             table: "events",
             // Dead rows stay in the table (dead_at set) but are out of the queue.
             queued: "dead_at IS NULL",
@@ -568,5 +588,6 @@ mod mapped {
         long_keys: run,
         owned_partitions: not_applicable("a mapped table has no partition leases: one active relay per table"),
         created_at: run,
-        renamed_column: run);
+        renamed_column: run,
+        row_locks: run);
 }

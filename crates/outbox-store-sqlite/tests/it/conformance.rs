@@ -173,7 +173,8 @@ outbox_testkit::store_conformance!(new_harness;
     long_keys: run,
     owned_partitions: not_applicable("SQLite has no partition leases: the relays sharing a file claim under row leases"),
     created_at: run,
-    renamed_column: run);
+    renamed_column: run,
+    row_locks: not_applicable("SQLite locks the whole database, not rows: a transaction holding it keeps every claim waiting"));
 
 /// Dead letters have a table of their own here, so one whose event the application wrote
 /// again collides with it: see the case's own account.
