@@ -96,6 +96,15 @@ WITH locked AS (
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),
+                  passed AS (
+                    SELECT coalesce(o.partition_key, o.destination) AS k, min(o.sequence_id) AS first
+                    FROM "public"."outbox" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                      AND o.sequence_id < (SELECT max(sequence_id) FROM locked)
+                      AND o.sequence_id NOT IN (SELECT sequence_id FROM locked)
+                    GROUP BY 1),
                   claimable AS (
                     SELECT o.sequence_id FROM "public"."outbox" o JOIN locked l ON l.sequence_id = o.sequence_id
                     WHERE NOT EXISTS (
@@ -105,7 +114,7 @@ WITH locked AS (
                       AND p.delivered_at IS NULL
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
                       AND ((p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
-                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))))
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))) AND NOT EXISTS (SELECT 1 FROM passed WHERE passed.k = coalesce(o.partition_key, o.destination) AND passed.first < o.sequence_id))
                  UPDATE "public"."outbox" o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c
@@ -156,6 +165,15 @@ WITH locked AS (
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),
+                  passed AS (
+                    SELECT coalesce(o.partition_key, o.destination) AS k, min(o.sequence_id) AS first
+                    FROM "public"."outbox" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                      AND o.sequence_id < (SELECT max(sequence_id) FROM locked)
+                      AND o.sequence_id NOT IN (SELECT sequence_id FROM locked)
+                    GROUP BY 1),
                   claimable AS (
                     SELECT o.sequence_id FROM "public"."outbox" o JOIN locked l ON l.sequence_id = o.sequence_id
                     WHERE NOT EXISTS (
@@ -165,7 +183,7 @@ WITH locked AS (
                       AND p.delivered_at IS NULL
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
                       AND ((p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
-                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))))
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))) AND NOT EXISTS (SELECT 1 FROM passed WHERE passed.k = coalesce(o.partition_key, o.destination) AND passed.first < o.sequence_id))
                  UPDATE "public"."outbox" o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c
@@ -245,6 +263,15 @@ WITH locked AS (
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),
+                  passed AS (
+                    SELECT coalesce(o.partition_key, o.destination) AS k, min(o.sequence_id) AS first
+                    FROM "public"."outbox" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                      AND o.sequence_id < (SELECT max(sequence_id) FROM locked)
+                      AND o.sequence_id NOT IN (SELECT sequence_id FROM locked)
+                    GROUP BY 1),
                   claimable AS (
                     SELECT o.sequence_id FROM "public"."outbox" o JOIN locked l ON l.sequence_id = o.sequence_id
                     WHERE true)
@@ -806,6 +833,15 @@ WITH locked AS (
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),
+                  passed AS (
+                    SELECT coalesce(o.partition_key, o.destination) AS k, min(o.sequence_id) AS first
+                    FROM "app"."events" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                      AND o.sequence_id < (SELECT max(sequence_id) FROM locked)
+                      AND o.sequence_id NOT IN (SELECT sequence_id FROM locked)
+                    GROUP BY 1),
                   claimable AS (
                     SELECT o.sequence_id FROM "app"."events" o JOIN locked l ON l.sequence_id = o.sequence_id
                     WHERE NOT EXISTS (
@@ -815,7 +851,7 @@ WITH locked AS (
                       AND p.delivered_at IS NULL
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
                       AND ((p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
-                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))))
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))) AND NOT EXISTS (SELECT 1 FROM passed WHERE passed.k = coalesce(o.partition_key, o.destination) AND passed.first < o.sequence_id))
                  UPDATE "app"."events" o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c
@@ -866,6 +902,15 @@ WITH locked AS (
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),
+                  passed AS (
+                    SELECT coalesce(o.partition_key, o.destination) AS k, min(o.sequence_id) AS first
+                    FROM "app"."events" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                      AND o.sequence_id < (SELECT max(sequence_id) FROM locked)
+                      AND o.sequence_id NOT IN (SELECT sequence_id FROM locked)
+                    GROUP BY 1),
                   claimable AS (
                     SELECT o.sequence_id FROM "app"."events" o JOIN locked l ON l.sequence_id = o.sequence_id
                     WHERE NOT EXISTS (
@@ -875,7 +920,7 @@ WITH locked AS (
                       AND p.delivered_at IS NULL
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
                       AND ((p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
-                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))))
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))) AND NOT EXISTS (SELECT 1 FROM passed WHERE passed.k = coalesce(o.partition_key, o.destination) AND passed.first < o.sequence_id))
                  UPDATE "app"."events" o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c
@@ -955,6 +1000,15 @@ WITH locked AS (
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),
+                  passed AS (
+                    SELECT coalesce(o.partition_key, o.destination) AS k, min(o.sequence_id) AS first
+                    FROM "app"."events" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                      AND o.sequence_id < (SELECT max(sequence_id) FROM locked)
+                      AND o.sequence_id NOT IN (SELECT sequence_id FROM locked)
+                    GROUP BY 1),
                   claimable AS (
                     SELECT o.sequence_id FROM "app"."events" o JOIN locked l ON l.sequence_id = o.sequence_id
                     WHERE true)

@@ -543,6 +543,7 @@ const ROW_LEASE: &str = " AND o.locked_by = $1 AND o.locked_until IS NOT NULL";
 
 /// The ordering key of the claimed or settled row (`o`) and of an earlier row (`p`).
 const KEY_O: &str = "coalesce(o.partition_key, o.destination)";
+
 const KEY_P: &str = "coalesce(p.partition_key, p.destination)";
 
 impl Statements {
@@ -665,6 +666,7 @@ impl Native {
     /// leased to the node ($1) for $3 ms.
     fn leasing_claim(&self, candidates: &str, keep: &str) -> String {
         let t = &self.t;
+        let passed = self.passed();
         format!(
             "WITH locked AS (
                     SELECT o.sequence_id FROM {t} o
@@ -675,6 +677,7 @@ impl Native {
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),
+                  {passed},
                   claimable AS (
                     SELECT o.sequence_id FROM {t} o JOIN locked l ON l.sequence_id = o.sequence_id
                     WHERE {keep})
@@ -683,6 +686,37 @@ impl Native {
                    FROM claimable c
                   WHERE o.sequence_id = c.sequence_id
               RETURNING {RETURNED}"
+        )
+    }
+
+    /// Within a claim whose rows are `locked` (SKIP LOCKED, in sequence order): for each
+    /// key, its first ready, unleased row before the last one locked that the claim did not
+    /// lock: one another transaction holds (an application's `SELECT … FOR UPDATE`, or FOR
+    /// KEY SHARE from a foreign key's check), or one its candidates left out. The second
+    /// pass never saw a fresh row held so (it looks at rows leased or failed, and other
+    /// claims' rows are kept off by the key locks): SKIP LOCKED passed it, and the later
+    /// rows of its key went out first. A plain read of the range the claim's scan covered,
+    /// with none of its per-row checks; an ordered claim keeps a row only ahead of its key's
+    /// ([`Native::not_passed`]).
+    fn passed(&self) -> String {
+        let t = &self.t;
+        format!(
+            "passed AS (
+                    SELECT {KEY_O} AS k, min(o.sequence_id) AS first
+                    FROM {t} o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                      AND o.sequence_id < (SELECT max(sequence_id) FROM locked)
+                      AND o.sequence_id NOT IN (SELECT sequence_id FROM locked)
+                    GROUP BY 1)"
+        )
+    }
+
+    /// No row of `o`'s key that the claim passed comes before it ([`Native::passed`]).
+    fn not_passed() -> String {
+        format!(
+            "NOT EXISTS (SELECT 1 FROM passed WHERE passed.k = {KEY_O} AND passed.first < o.sequence_id)"
         )
     }
 
@@ -720,11 +754,12 @@ impl Native {
                           AND p.sequence_id NOT IN (SELECT sequence_id FROM locked)",
         );
         let key_lock = self.key_lock();
+        let not_passed = Self::not_passed();
         self.leasing_claim(
             &format!(
                 "{crowded} AND CASE WHEN {no_lease_or_retry_blocks} THEN {key_lock} ELSE false END"
             ),
-            &not_ours_nor_locked_here,
+            &format!("{not_ours_nor_locked_here} AND {not_passed}"),
         )
     }
 
