@@ -182,43 +182,61 @@ pub struct NewEvent {
     pub mutation_id: Option<String>,
 }
 
-/// Turns a JSON object into [`Headers`]. Non-string values keep their JSON text.
-pub fn headers_from_json(value: &serde_json::Value) -> Result<Headers, String> {
-    match value {
-        serde_json::Value::Null => Ok(Headers::new()),
-        serde_json::Value::Object(map) => Ok(map
-            .iter()
-            .map(|(k, v)| {
-                let v = match v {
-                    serde_json::Value::String(s) => s.clone(),
-                    other => other.to_string(),
-                };
-                (k.clone(), v)
-            })
-            .collect()),
-        other => Err(format!(
-            "headers must be a JSON object, found {}",
-            json_kind(other)
-        )),
-    }
-}
-
-/// Parses header JSON text (as stored in the database) into [`Headers`].
+/// Parses header JSON text (as stored in the database) into [`Headers`]: string values as
+/// they are, others as their JSON text, exactly (compacted). Read through a `Value`, a number
+/// went through `f64`: `9007199254740993` went out as `9007199254740992`, a 30-digit order
+/// id in exponent form, and a number past `f64`'s range dead-lettered the row though
+/// `jsonb` had stored it.
 pub fn headers_from_json_text(text: &str) -> Result<Headers, String> {
-    let value: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| format!("headers are not valid JSON: {e}"))?;
-    headers_from_json(&value)
+    let not_json = |e: serde_json::Error| format!("headers are not valid JSON: {e}");
+    let raw: &serde_json::value::RawValue = serde_json::from_str(text).map_err(not_json)?;
+    let kind = match raw.get().as_bytes().first() {
+        Some(b'{') => {
+            let map: BTreeMap<String, &serde_json::value::RawValue> =
+                serde_json::from_str(raw.get()).map_err(not_json)?;
+            return map
+                .into_iter()
+                .map(|(name, value)| {
+                    let value = match value.get().as_bytes().first() {
+                        Some(b'"') => serde_json::from_str(value.get()).map_err(not_json)?,
+                        _ => compact_json(value.get()),
+                    };
+                    Ok((name, value))
+                })
+                .collect();
+        }
+        Some(b'n') => return Ok(Headers::new()),
+        Some(b'[') => "an array",
+        Some(b'"') => "a string",
+        Some(b't' | b'f') => "a boolean",
+        _ => "a number",
+    };
+    Err(format!("headers must be a JSON object, found {kind}"))
 }
 
-fn json_kind(value: &serde_json::Value) -> &'static str {
-    match value {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
+/// Valid JSON text without the whitespace between its tokens (as `Value`'s `to_string`
+/// writes it), its numbers and strings untouched.
+fn compact_json(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let (mut in_string, mut escaped) = (false, false);
+    for c in text.chars() {
+        if in_string {
+            out.push(c);
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_string = false;
+            }
+        } else if c == '"' {
+            in_string = true;
+            out.push(c);
+        } else if !c.is_ascii_whitespace() {
+            out.push(c);
+        }
     }
+    out
 }
 
 /// An attempt count as a table stores it (any integer type), for [`Event::attempts`]:
@@ -272,5 +290,32 @@ mod tests {
             err.contains("must be a JSON object, found an array"),
             "{err}"
         );
+        for (text, kind) in [
+            (r#""x""#, "a string"),
+            ("true", "a boolean"),
+            (" 7", "a number"),
+        ] {
+            let err = headers_from_json_text(text).unwrap_err();
+            assert!(err.ends_with(kind), "{text}: {err}");
+        }
+    }
+
+    /// Numbers went through `f64`: changed past 2^53, or refused past its range.
+    #[test]
+    fn header_values_keep_their_json_text_exactly_and_compacted() {
+        let h = headers_from_json_text(
+            r#"{"id": 9007199254740993, "price": 1.50, "big": 1e400,
+                "o": { "a" : [1, 2], "s": "x \" y" }, "t": "caf\u00e9", "b": false}"#,
+        )
+        .unwrap();
+        assert_eq!(h["id"], "9007199254740993");
+        assert_eq!(h["price"], "1.50");
+        assert_eq!(h["big"], "1e400");
+        assert_eq!(h["o"], r#"{"a":[1,2],"s":"x \" y"}"#);
+        assert_eq!(h["t"], "caf\u{e9}");
+        assert_eq!(h["b"], "false");
+        assert!(headers_from_json_text(r#"{"a": 1"#)
+            .unwrap_err()
+            .contains("not valid JSON"));
     }
 }

@@ -182,7 +182,7 @@ struct Content {
     #[serde(rename = "type")]
     event_type: String,
     payload: Option<Box<RawValue>>,
-    headers: Option<serde_json::Value>,
+    headers: Option<Box<serde_json::value::RawValue>>,
     mutation_id: Option<String>,
 }
 
@@ -245,7 +245,7 @@ pub fn decode_message(
     }
     let headers = match &message.headers {
         None => Headers::new(),
-        Some(value) => outbox_core::event::headers_from_json(value).map_err(&fail)?,
+        Some(text) => outbox_core::event::headers_from_json_text(text.get()).map_err(&fail)?,
     };
     Ok(WalEvent {
         event: Event {

@@ -281,10 +281,7 @@ impl OutboxColumns {
         };
         let mut headers = match optional(self.headers, "headers")? {
             None => Headers::new(),
-            Some(json) => serde_json::from_str(json)
-                .map_err(|e| format!("headers are not JSON: {e}"))
-                .and_then(|value| outbox_core::event::headers_from_json(&value))
-                .map_err(&undecodable)?,
+            Some(json) => outbox_core::event::headers_from_json_text(json).map_err(&undecodable)?,
         };
         if let Some(text) = optional(self.span_context, "span context")? {
             add_span_context(&mut headers, text);

@@ -167,6 +167,38 @@ async fn malformed_headers_and_truncated_payloads_are_dead_lettered_with_the_rea
     assert!(dead.iter().all(|d| d["attempts"] == 0), "{dead:?}");
 }
 
+/// Header values that are numbers keep their JSON text exactly: read through `f64`, an id
+/// past 2^53 went out changed, a 30-digit one in exponent form, and one past `f64`'s range
+/// (which `jsonb` stores) was dead-lettered as "not valid JSON".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_numbers_are_published_as_the_database_stored_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let pg_url = fresh_pg_database().await;
+    assert!(relay(d, &["migrate", "--database-url", &pg_url])
+        .status
+        .success());
+    pg(&pg_url)
+        .await
+        .batch_execute(
+            r#"INSERT INTO outbox (destination, partition_key, event_type, payload, headers)
+               VALUES ('orders', 'k', 't', '{}', '{"id": 9007199254740993, "price": 1.50,
+                       "order": 123456789012345678901234567890, "huge": 1e400,
+                       "nested": {"n": 9007199254740993, "s": "a b"}}')"#,
+        )
+        .await
+        .unwrap();
+    let (run, lines) = drain_to_file(d, &pg_url, &[]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let headers = &lines[0]["headers"];
+    assert_eq!(headers["id"], "9007199254740993", "{headers}");
+    assert_eq!(headers["price"], "1.50", "{headers}");
+    assert_eq!(headers["order"], "123456789012345678901234567890");
+    assert!(headers["huge"].as_str().unwrap().len() > 400, "{headers}");
+    assert_eq!(headers["nested"], r#"{"n":9007199254740993,"s":"a b"}"#);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nul_bytes_are_refused_by_postgresql_and_carried_escaped_from_sqlite() {
     // PostgreSQL: neither text nor jsonb holds a NUL, so the application's insert fails and
