@@ -292,6 +292,17 @@ impl Problem {
 /// Called when new rows may have been committed.
 pub type OnChange = Arc<dyn Fn() + Send + Sync>;
 
+/// What [`OutboxStore::lock_holders`] found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LockHolders {
+    /// One line per session holding a lock the relay waits for; a line may instead say why
+    /// the holders cannot be named (a privilege or a plugin the server lacks).
+    pub sessions: Vec<String>,
+    /// How an operator ends one of them, in the database's own words
+    /// (`SELECT pg_terminate_backend(<pid>)`, `KILL <id>`).
+    pub end_one: &'static str,
+}
+
 /// Where outbox rows live. See the module docs for the contract.
 pub trait OutboxStore: Send + Sync + 'static {
     /// A short description for logs, e.g. `postgres public.outbox` (never with secrets).
@@ -361,11 +372,11 @@ pub trait OutboxStore: Send + Sync + 'static {
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>>;
 
     /// The sessions holding locks that this relay's statements wait for, one line each
-    /// (its process id, user, application, state, and how long its transaction has run),
-    /// for `/readyz` to name while a claim or settle is stuck: a DBA's `LOCK TABLE` or a
-    /// session left idle in a transaction looked exactly like a dead network. `None` (the
-    /// default) where the store cannot tell.
-    fn lock_holders(&self) -> Option<StoreFuture<Vec<String>>> {
+    /// (its session id, user, state, and how long its transaction has run), for `/readyz`
+    /// to name while a claim or settle is stuck: a DBA's `LOCK TABLE` or a session left
+    /// idle in a transaction looked exactly like a dead network. `None` (the default) where
+    /// the store cannot tell.
+    fn lock_holders(&self) -> Option<StoreFuture<LockHolders>> {
         None
     }
 

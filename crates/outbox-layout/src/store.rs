@@ -36,8 +36,8 @@ use outbox_core::health::Check;
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, Crowded, DeadLetter, DeadQuery, DeadRecord, DeadRetried,
     DeadSelector, DestinationStats, EventRecord, EventState, Heartbeat, Incarnation,
-    LeaseExtension, LeaseHolder, NodeRecord, NodeRegistry, OnChange, Operations, Problem,
-    Registration, ReplayPage, ReplaySelector, RetryLater, StoreFuture, StoreResult,
+    LeaseExtension, LeaseHolder, LockHolders, NodeRecord, NodeRegistry, OnChange, Operations,
+    Problem, Registration, ReplayPage, ReplaySelector, RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::time::{from_micros, micros, millis};
 use outbox_core::{
@@ -222,6 +222,11 @@ pub trait MappedDb: Send + Sync + Sized + 'static {
 
     /// See [`OutboxStore::give_way_to_shutdown`].
     fn give_way_to_shutdown(&self) -> Option<BoxFuture<'static, ()>> {
+        None
+    }
+
+    /// See [`OutboxStore::lock_holders`]; `mapping` is the table the relay works on.
+    fn lock_holders(&self, _mapping: &Mapping) -> Option<StoreFuture<LockHolders>> {
         None
     }
 
@@ -1341,6 +1346,10 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
 
     fn give_way_to_shutdown(&self) -> Option<BoxFuture<'static, ()>> {
         self.inner.db.give_way_to_shutdown()
+    }
+
+    fn lock_holders(&self) -> Option<StoreFuture<LockHolders>> {
+        self.inner.db.lock_holders(&self.inner.sql.mapping)
     }
 
     fn set_waiting(&self, waiting: bool) {

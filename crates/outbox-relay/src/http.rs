@@ -601,13 +601,13 @@ async fn lock_holders(probes: &Probes, limit: Duration) -> Option<String> {
         .await
         .ok()?
         .ok()?;
-    if holders.is_empty() {
+    if holders.sessions.is_empty() {
         return None;
     }
     let said = format!(
-        "the relay's statements wait for locks held by {}: let it finish, or end it (SELECT \
-         pg_terminate_backend(<pid>))",
-        holders.join("; ")
+        "the relay's statements wait for locks held by {}: let it finish, or end it ({})",
+        holders.sessions.join("; "),
+        holders.end_one
     );
     Some(said)
 }

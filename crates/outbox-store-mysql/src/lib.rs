@@ -21,6 +21,7 @@ use outbox_layout::sql::Sql;
 use outbox_layout::store::{Claim, MappedDb, MappedStore, Opened};
 use outbox_layout::{Dialect, IdType, Mapping};
 
+mod locks;
 mod nodes;
 mod schema;
 
@@ -713,6 +714,18 @@ impl MappedDb for MySql {
         conn.query_drop(sql)
             .await
             .map_err(|e| db_error("execute", e))
+    }
+
+    fn lock_holders(
+        &self,
+        mapping: &Mapping,
+    ) -> Option<outbox_core::store::StoreFuture<outbox_core::store::LockHolders>> {
+        Some(Box::pin(locks::lock_holders(
+            self.opts.clone(),
+            self.operation_timeout,
+            mapping.schema.clone(),
+            mapping.table.clone(),
+        )))
     }
 
     fn nodes(&self) -> Option<&dyn NodeRegistry> {

@@ -28,8 +28,8 @@ use futures::FutureExt;
 use outbox_core::ident::TableName;
 use outbox_core::migration::{Found, Steps};
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, Crowded, DeadLetter, LeaseExtension, LeaseHolder, OnChange,
-    Problem, RetryLater, StoreFuture, StoreResult,
+    Backlog, ClaimRequest, Claimed, Crowded, DeadLetter, LeaseExtension, LeaseHolder, LockHolders,
+    OnChange, Problem, RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
 use tokio_postgres::types::ToSql;
@@ -988,7 +988,7 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
-    fn lock_holders(&self) -> Option<StoreFuture<Vec<String>>> {
+    fn lock_holders(&self) -> Option<StoreFuture<LockHolders>> {
         let inner = self.inner.clone();
         Some(
             async move {
@@ -1002,7 +1002,7 @@ impl OutboxStore for PgStore {
                     &[],
                 )
                 .await?;
-                Ok(rows
+                let sessions = rows
                     .iter()
                     .map(|row| {
                         let pid: i32 = row.get(0);
@@ -1028,7 +1028,11 @@ impl OutboxStore for PgStore {
                         said.push(')');
                         said
                     })
-                    .collect())
+                    .collect();
+                Ok(LockHolders {
+                    sessions,
+                    end_one: "SELECT pg_terminate_backend(<pid>)",
+                })
             }
             .boxed(),
         )

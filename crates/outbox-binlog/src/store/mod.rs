@@ -1561,6 +1561,10 @@ impl OutboxStore for BinlogStore {
         .boxed()
     }
 
+    fn lock_holders(&self) -> Option<StoreFuture<outbox_core::store::LockHolders>> {
+        self.inner.main.lock_holders()
+    }
+
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
         if let Ok(mut slot) = self.inner.on_change.lock() {
             *slot = Some(on_change);

@@ -951,6 +951,64 @@ async fn readyz_names_the_session_holding_the_lock_the_relay_waits_for() {
     assert!(node.terminate().await.success(), "{}", node.logs());
 }
 
+/// The same on MariaDB, where a metadata lock's holder is named only with the server's
+/// `metadata_lock_info` plugin: without it, `/readyz` says which plugin names it; with it,
+/// the connection holding `LOCK TABLES`. Before, the store named nobody, and its hint was
+/// PostgreSQL's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_names_the_mariadb_session_holding_the_lock_the_relay_waits_for() {
+    use mysql_async::prelude::Queryable;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    migrate_with(&url, &[]);
+    let mut admin = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    admin
+        .query_drop("UNINSTALL PLUGIN IF EXISTS metadata_lock_info")
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let sink = format!("file:{}", dir.path().join("out.jsonl").display());
+    let mut node = RelayProcess::spawn(
+        dir.path(),
+        "relay",
+        &crate::support::run_serving(&sink, &["--database-url", &url, "--poll-interval", "100ms"]),
+        &[],
+    );
+    let addr = crate::support::http_addr(&node).await;
+    crate::support::readyz(&node, &addr, 200, "", Duration::from_secs(30)).await;
+    let mut locker = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    locker.query_drop("LOCK TABLES outbox WRITE").await.unwrap();
+    let id = locker.id();
+    let said = crate::support::readyz(
+        &node,
+        &addr,
+        503,
+        "INSTALL SONAME 'metadata_lock_info'",
+        Duration::from_secs(90),
+    )
+    .await;
+    assert!(said.contains("KILL <id>"), "{said}");
+    admin
+        .query_drop("INSTALL PLUGIN IF NOT EXISTS metadata_lock_info SONAME 'metadata_lock_info'")
+        .await
+        .unwrap();
+    let said = crate::support::readyz(
+        &node,
+        &addr,
+        503,
+        &format!("connection {id} "),
+        Duration::from_secs(90),
+    )
+    .await;
+    assert!(!said.contains("metadata_lock_info"), "{said}");
+    locker.query_drop("UNLOCK TABLES").await.unwrap();
+    crate::support::readyz(&node, &addr, 200, "", Duration::from_secs(60)).await;
+    admin
+        .query_drop("UNINSTALL PLUGIN IF EXISTS metadata_lock_info")
+        .await
+        .unwrap();
+    assert!(node.terminate().await.success(), "{}", node.logs());
+}
+
 /// A drain that meets a row the database refuses to delete ends non-zero naming the row,
 /// once the settles in flight are done: it returned at the refusal, dropping the other
 /// batches' acks, and rows it had published stayed in the table to go out again. Rows it

@@ -1460,7 +1460,7 @@ impl OutboxStore for WalStore {
     /// The database answers, the slot is confirmed as its settled events allow (a relay
     /// whose confirmations stopped holds the server's WAL while it delivers on), and it
     /// parks what must wait.
-    fn lock_holders(&self) -> Option<StoreFuture<Vec<String>>> {
+    fn lock_holders(&self) -> Option<StoreFuture<outbox_core::store::LockHolders>> {
         self.inner.main.lock_holders()
     }
 
