@@ -4,7 +4,8 @@
 #   scripts/wal-drain.sh rows|emit EVENTS RELAY_BINARY...
 #
 # For each binary: a fresh database `wal_drain` on the test server ($OUTBOX_TEST_DATABASE_URL,
-# from `scripts/servers.sh start`), `migrate --capture wal`, a slot, EVENTS events written
+# from `scripts/servers.sh start`), `migrate --capture wal`, a slot (made by a drain of the
+# empty outbox), EVENTS events written
 # in transactions of 1,000 (outbox rows, or `outbox_emit` messages) while no relay runs, then
 # `run --capture wal --drain` to a file. Prints the rate to the last line written, the
 # exit, the relay's CPU and peak RSS. WAL_DRAIN_URL_QUERY (e.g. `?sslmode=disable`) is
@@ -33,7 +34,10 @@ for relay in "$@"; do
     psql -qX "$admin" -c "SELECT pg_drop_replication_slot('wal_drain') FROM pg_replication_slots WHERE slot_name = 'wal_drain'" >/dev/null
     psql -qX "$admin" -c "DROP DATABASE IF EXISTS wal_drain WITH (FORCE)" -c "CREATE DATABASE wal_drain" >/dev/null
     "$relay" migrate --database-url "$db" --capture wal >/dev/null
-    psql -qX "$db" -c "SELECT pg_create_logical_replication_slot('wal_drain', 'pgoutput')" >/dev/null
+    # The slot, made by a drain of the empty outbox: the relay records it as its own
+    # (`outbox_emit` refuses events until a slot so recorded streams).
+    "$relay" run --database-url "$db" --capture wal --slot wal_drain --drain --sink stdout \
+        --http-addr "" >/dev/null 2>&1
     psql -qX "$db" -c "DO \$fill\$ BEGIN
         FOR c IN 0..$(((events + 999) / 1000 - 1)) LOOP
             $write $values FROM generate_series(c * 1000::int8 + 1, least((c + 1) * 1000::int8, $events)) i;

@@ -83,13 +83,14 @@ pub const EMIT_FUNCTION: &str = "outbox_emit";
 /// Needs no privilege beyond EXECUTE: `pg_logical_emit_message` is executable by PUBLIC. A
 /// NULL destination or type raises an error in the writer's transaction, where it can still
 /// be fixed, rather than becoming a dead letter later; a NULL event_id gets a fresh one.
-/// So does an emit while no pgoutput slot of the database streams (none yet before the
-/// relay's first start, one dropped, one being made, one invalidated): a message is in the
-/// WAL only, and one written before a slot is consistent is in no slot's stream. Such
-/// events were accepted and lost without a word. The slots are read once a second per
-/// session (a read costs several emits), so an emit within a second of a slot's drop can
-/// still pass; and a slot of another pgoutput reader of the database would let it through:
-/// the function does not know the relay's slot name.
+/// So does an emit while no slot of the relay's streams (none yet before its first start,
+/// one dropped, one being made, one invalidated): a message is in the WAL only, and one
+/// written before a slot is consistent is in no slot's stream. Such events were accepted and
+/// lost without a word. The relay's slots are those `<outbox>_adopted` names (a slot's first
+/// session records it there), which every role may read: any pgoutput slot of the database
+/// let emits through, so an application's own logical replication subscriber made the
+/// relay's absence silent again. The slots are read once a second per session (a read costs
+/// several emits), so an emit within a second of a slot's drop can still pass.
 ///
 /// Applied by every `migrate`, so it leaves a function with this body as it is, and keeps
 /// `SECURITY DEFINER` on one it replaces: the README's gate (a `SECURITY DEFINER` function,
@@ -140,6 +141,7 @@ pub fn emit_signature(outbox: &TableName) -> String {
 pub fn emit_function_body(outbox: &TableName) -> String {
     let prefix = emit_prefix(outbox).replace('\'', "''");
     let name = format!("{}_emit", outbox.name);
+    let adopted = crate::schema::sibling(outbox, "_adopted").quoted();
     format!(
         r#"
 DECLARE
@@ -152,11 +154,11 @@ BEGIN
     -- Looked at once a second per session: reading the slots costs more than the emit.
     IF current_setting('outbox_relay.stream_seen', true)
        IS DISTINCT FROM date_trunc('second', statement_timestamp())::text THEN
-        IF NOT EXISTS (SELECT FROM pg_replication_slots
-                        WHERE database = current_database() AND plugin = 'pgoutput'
-                          AND confirmed_flush_lsn IS NOT NULL
-                          AND wal_status IS DISTINCT FROM 'lost') THEN
-            RAISE EXCEPTION '{name}: no replication slot of this database streams yet, so this event would be written to no stream and lost'
+        IF NOT EXISTS (SELECT FROM pg_replication_slots s JOIN {adopted} a ON a.slot = s.slot_name
+                        WHERE s.database = current_database() AND s.plugin = 'pgoutput'
+                          AND s.confirmed_flush_lsn IS NOT NULL
+                          AND s.wal_status IS DISTINCT FROM 'lost') THEN
+            RAISE EXCEPTION '{name}: no replication slot of outbox-relay streams yet, so this event would be written to no stream and lost'
                 USING ERRCODE = 'object_not_in_prerequisite_state',
                       HINT = 'start outbox-relay run --capture wal (its first start makes the slot), then write again';
         END IF;

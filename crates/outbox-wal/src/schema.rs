@@ -203,6 +203,8 @@ CREATE TABLE IF NOT EXISTS {adopted} (
     -- The publication's version at the adoption: a change since is seen at the next start.
     publication_version text NULL
 );
+-- The emit function refuses events while none of these slots streams, in the writer's rights.
+GRANT SELECT ON {adopted} TO PUBLIC;
 
 -- Per slot, the position no relay confirms it past before raising this mark: a slot confirmed
 -- past it was moved by something else (made again or advanced by hand), and adopts again.
@@ -856,7 +858,7 @@ pub fn sibling_names_fit(outbox: &TableName) -> Result<(), StoreError> {
 }
 
 /// The table `<outbox><suffix>` beside `outbox` (names checked by [`sibling_names_fit`]).
-fn sibling(outbox: &TableName, suffix: &str) -> TableName {
+pub(crate) fn sibling(outbox: &TableName, suffix: &str) -> TableName {
     TableName {
         schema: outbox.schema.clone(),
         name: Ident::new(&format!("{}{suffix}", outbox.name), "table name")

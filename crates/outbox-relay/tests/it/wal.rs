@@ -625,13 +625,27 @@ async fn both_forms_are_drained_in_commit_order_without_rolled_back_events() {
 async fn an_emit_while_no_slot_streams_fails_in_the_writers_transaction() {
     let w = WalDb::new().await;
     let out = w.path("events.jsonl");
+    // An application's own logical replication slot on the database streams too, but not
+    // the outbox's messages to the relay: it let emits through, lost.
+    w.db.batch_execute(
+        "CREATE TABLE customers (id int PRIMARY KEY);
+         CREATE PUBLICATION analytics FOR TABLE customers;",
+    )
+    .await
+    .unwrap();
+    w.db.execute(
+        "SELECT pg_create_logical_replication_slot('analytics_' || current_database(), 'pgoutput')",
+        &[],
+    )
+    .await
+    .unwrap();
     let refused = emit_in_a_new_session(&w.url, "early")
         .await
         .expect_err("no slot streams yet");
     let said = refused.as_db_error().map(|e| (e.message(), e.hint()));
     let (message, hint) = said.unwrap_or_else(|| panic!("{refused:?}"));
     assert!(
-        message.contains("no replication slot of this database streams yet"),
+        message.contains("no replication slot of outbox-relay streams yet"),
         "{message}"
     );
     assert!(
@@ -641,12 +655,21 @@ async fn an_emit_while_no_slot_streams_fails_in_the_writers_transaction() {
 
     assert_success("the first drain, which makes the slot", &w.drain(&out));
     emit_in_a_new_session(&w.url, "streamed").await.unwrap();
+    // A writer with no privilege but the function's (PUBLIC's EXECUTE) reads which slots are
+    // the relay's in its own rights.
+    let database = w.url.rsplit('/').next().unwrap().to_string();
+    let writer = format!("plain_writer_{}", &database[2..14]);
+    w.db.batch_execute(&format!("CREATE ROLE {writer} LOGIN"))
+        .await
+        .unwrap();
+    let writer_url = w.url.replacen("postgres@", &format!("{writer}@"), 1);
+    emit_in_a_new_session(&writer_url, "plain").await.unwrap();
     assert_success("the second drain", &w.drain(&out));
     let keys: Vec<String> = read_lines(&out)
         .iter()
         .filter_map(|line| line["partition_key"].as_str().map(str::to_string))
         .collect();
-    assert_eq!(keys, ["streamed"]);
+    assert_eq!(keys, ["streamed", "plain"]);
 
     w.db.execute("SELECT pg_drop_replication_slot($1)", &[&w.slot])
         .await
@@ -654,6 +677,12 @@ async fn an_emit_while_no_slot_streams_fails_in_the_writers_transaction() {
     emit_in_a_new_session(&w.url, "dropped")
         .await
         .expect_err("the slot is gone");
+    w.db.execute(
+        "SELECT pg_drop_replication_slot('analytics_' || current_database())",
+        &[],
+    )
+    .await
+    .unwrap();
 
     // An earlier version's function, which `run` does not replace: `check` says to migrate.
     let check = || {

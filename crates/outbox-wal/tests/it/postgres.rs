@@ -71,6 +71,20 @@ impl Fixture {
     async fn start(&self) -> WalStream {
         start(&self.config).await
     }
+
+    /// Records the slot as a relay's session would (`<outbox>_adopted`, as `migrate
+    /// --capture wal` makes it): the emit function accepts events only while a slot
+    /// recorded there streams. For the tests that read the stream without the capture.
+    async fn record_the_slot_as_the_relays(&self, db: &tokio_postgres::Client) {
+        db.batch_execute(&format!(
+            "CREATE TABLE IF NOT EXISTS outbox_adopted (slot text PRIMARY KEY,
+                 adopted_at timestamptz NOT NULL DEFAULT now(), publication_version text NULL);
+             INSERT INTO outbox_adopted (slot) VALUES ('{}');",
+            self.config.slot
+        ))
+        .await
+        .unwrap();
+    }
 }
 
 /// Starts a session. A slot whose previous consumer has just gone may still show as active
@@ -304,6 +318,7 @@ async fn rolled_back_rows_never_appear() {
     let fixture = Fixture::new().await;
     let mut stream = fixture.start().await;
     let db = connect(&fixture.url).await;
+    fixture.record_the_slot_as_the_relays(&db).await;
     db.batch_execute("BEGIN").await.unwrap();
     insert(&db, "k", 1).await;
     db.batch_execute("ROLLBACK").await.unwrap();
@@ -339,6 +354,7 @@ async fn emitted_messages_interleave_with_rows_in_commit_order() {
     let fixture = Fixture::new().await;
     let mut stream = fixture.start().await;
     let db = connect(&fixture.url).await;
+    fixture.record_the_slot_as_the_relays(&db).await;
     let early = connect(&fixture.url).await;
     // Opened first, committed last.
     early.batch_execute("BEGIN").await.unwrap();
