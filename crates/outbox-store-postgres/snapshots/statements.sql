@@ -363,7 +363,12 @@ SELECT id FROM "public"."outbox_nodes"
                   ORDER BY id
 
 -- public.outbox: partition_count
-SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_database WHERE datname = current_database()) FROM "public"."outbox_partitions"
+SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_database WHERE datname = current_database()),
+              CASE WHEN count(*) > 0 AND (min(partition) <> 0 OR max(partition) <> count(*) - 1)
+                   THEN (SELECT string_agg(n::text, ', ' ORDER BY n)
+                           FROM generate_series(0, (SELECT max(partition) FROM "public"."outbox_partitions")) n
+                          WHERE NOT EXISTS (SELECT FROM "public"."outbox_partitions" p WHERE p.partition = n)) END
+              FROM "public"."outbox_partitions"
 
 -- public.outbox: acquire
 UPDATE "public"."outbox_partitions"
@@ -1100,7 +1105,12 @@ SELECT id FROM "app"."relay_nodes"
                   ORDER BY id
 
 -- app.events: partition_count
-SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_database WHERE datname = current_database()) FROM "app"."events_partitions"
+SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_database WHERE datname = current_database()),
+              CASE WHEN count(*) > 0 AND (min(partition) <> 0 OR max(partition) <> count(*) - 1)
+                   THEN (SELECT string_agg(n::text, ', ' ORDER BY n)
+                           FROM generate_series(0, (SELECT max(partition) FROM "app"."events_partitions")) n
+                          WHERE NOT EXISTS (SELECT FROM "app"."events_partitions" p WHERE p.partition = n)) END
+              FROM "app"."events_partitions"
 
 -- app.events: acquire
 UPDATE "app"."events_partitions"

@@ -247,8 +247,47 @@ impl PgStore {
             Self::coordinate(inner, "partition count", &inner.sql.partition_count, &[]).await?;
         let count = rows[0].get::<_, i64>(0).max(0) as u32;
         configured_partitions_hold(inner.tables.partition_count, count)?;
+        partitions_numbered_from_zero(&inner.tables.partitions, rows[0].get(2))?;
         Ok((count, rows[0].get(1)))
     }
+}
+
+/// Refuses a partitions table whose numbers are not 0 to its count less one (`missing`, as
+/// the partition count's statement lists them); see [`missing_partitions`].
+pub(crate) fn partitions_numbered_from_zero(
+    table: &outbox_core::ident::TableName,
+    missing: Option<String>,
+) -> Result<(), StoreError> {
+    match missing_partitions(table, missing) {
+        None => Ok(()),
+        Some((what, fix)) => Err(
+            StoreError::new(StoreErrorKind::Config, format!("{what}; {fix}"))
+                .with_hint("a partitions table numbers its rows from 0, with no gap"),
+        ),
+    }
+}
+
+/// What is wrong, and its fix, when the partitions table lacks the numbers `missing`: keys
+/// hash modulo the count, so the keys of a missing number were owned by no node. One node
+/// holding every row relayed them all; a second node's first hand-over stalled those keys
+/// for good, with `/readyz` and `check` green.
+pub(crate) fn missing_partitions(
+    table: &outbox_core::ident::TableName,
+    missing: Option<String>,
+) -> Option<(String, String)> {
+    let missing = missing?;
+    let first = missing.split(", ").next().unwrap_or("0").to_string();
+    Some((
+        format!(
+            "the partitions table {table} lacks partition(s) {missing}: keys hash to every \
+             number from 0 to its count less one, and a missing one's keys would be owned by \
+             no node"
+        ),
+        format!(
+            "put the rows back: INSERT INTO {table} (partition) VALUES ({first}), one per \
+             missing number"
+        ),
+    ))
 }
 
 /// Refuses partitions over a database whose encoding is not UTF-8. The database hashes a

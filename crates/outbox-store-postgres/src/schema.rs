@@ -1140,12 +1140,18 @@ impl Native {
         )
     }
 
-    /// The partitions table's count, and the database's encoding (keys are hashed in it).
+    /// The partitions table's count, the database's encoding (keys are hashed in it), and
+    /// the numbers missing from 0 to the highest (NULL when none is).
     fn partition_count(&self) -> String {
+        let parts = &self.parts;
         format!(
             "SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_database \
-              WHERE datname = current_database()) FROM {}",
-            self.parts
+              WHERE datname = current_database()),
+              CASE WHEN count(*) > 0 AND (min(partition) <> 0 OR max(partition) <> count(*) - 1)
+                   THEN (SELECT string_agg(n::text, ', ' ORDER BY n)
+                           FROM generate_series(0, (SELECT max(partition) FROM {parts})) n
+                          WHERE NOT EXISTS (SELECT FROM {parts} p WHERE p.partition = n)) END
+              FROM {parts}"
         )
     }
 

@@ -71,6 +71,11 @@ pub(crate) async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
         let missing = missing_privileges(inner, &name, &shown, privileges, print).await?;
         problems.extend(missing);
     }
+    if !problems.iter().any(|p| p.fails_check()) {
+        let rows = PgStore::query(inner, "verify", &inner.sql.partition_count, &[]).await?;
+        let missing = crate::registry::missing_partitions(&t.partitions, rows[0].get(2));
+        problems.extend(missing.map(|(what, fix)| Problem::blocking(what, fix)));
+    }
     problems.extend(verify_outbox_columns(inner).await?);
     // Only over tables that are all there, with their columns.
     if problems.iter().all(|p| !p.fails_check()) {

@@ -951,6 +951,59 @@ async fn readyz_names_the_session_holding_the_lock_the_relay_waits_for() {
     assert!(node.terminate().await.success(), "{}", node.logs());
 }
 
+/// A partitions table with a number missing (a row deleted by hand): the keys hashing to it
+/// were owned by no node. One node relayed them all (it held every row, so every partition),
+/// a second node's first hand-over stalled them for good, and `check`, `migrate` and
+/// `/readyz` said all was well. Each now refuses the table, naming the number and the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitions_table_with_a_number_missing_is_refused_naming_it() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate_with(&url, &[]);
+    pg(&url)
+        .await
+        .batch_execute("DELETE FROM outbox_partitions WHERE partition IN (7, 48)")
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let sink = format!("file:{}", dir.path().join("out.jsonl").display());
+    let said = |out: &std::process::Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let check = Command::new(BIN)
+        .args(["check", "--database-url", &url, "--sink", &sink])
+        .output()
+        .unwrap();
+    assert_eq!(check.status.code(), Some(1), "{}", said(&check));
+    assert!(
+        said(&check).contains("lacks partition(s) 7, 48"),
+        "{}",
+        said(&check)
+    );
+    assert!(said(&check).contains("VALUES (7)"), "{}", said(&check));
+    let migrate = Command::new(BIN)
+        .args(["migrate", "--database-url", &url])
+        .output()
+        .unwrap();
+    assert_eq!(migrate.status.code(), Some(2), "{}", said(&migrate));
+    assert!(said(&migrate).contains("lacks partition(s) 7, 48"));
+    let run = Command::new(BIN)
+        .args(["run", "--drain", "--database-url", &url, "--sink", &sink])
+        .args(["--http-addr", ""])
+        .output()
+        .unwrap();
+    // As for a missing table: the database is not ready.
+    assert_eq!(run.status.code(), Some(1), "{}", said(&run));
+    assert!(
+        said(&run).contains("lacks partition(s) 7, 48"),
+        "{}",
+        said(&run)
+    );
+}
+
 /// The same on MariaDB, where a metadata lock's holder is named only with the server's
 /// `metadata_lock_info` plugin: without it, `/readyz` says which plugin names it; with it,
 /// the connection holding `LOCK TABLES`. Before, the store named nobody, and its hint was
