@@ -82,6 +82,13 @@ pub const READ_ONLY_HINT: &str = "the database refuses writes (default_transacti
     for the database or role, a standby, or a managed service gone read-only, often on a full \
     disk): the relay claims and settles by writing; make it writable, and the relay goes on";
 
+/// The fix when the server refused the relay's login (SQLSTATE 28000, 28P01), at start or
+/// when a running relay connected again: "fix the configuration value named in the message"
+/// named nothing a role without LOGIN or a rotated password could be fixed by.
+pub const LOGIN_REFUSED_HINT: &str = "the server refused the relay's login: a wrong or \
+    rotated password in the URL, a pg_hba.conf line that rejects this host or user, or a role \
+    without LOGIN (ALTER ROLE <role> LOGIN); fix it and start the relay again";
+
 /// The fix when the server turned away a connection for not using TLS.
 pub const TLS_REQUIRED_HINT: &str = "the server accepts only TLS connections from this host: \
     use sslmode=require in the URL (or verify-full, with --database-ca-file for a private CA)";
@@ -108,6 +115,13 @@ pub fn db_error(context: &str, error: tokio_postgres::Error) -> StoreError {
         }
         Some(db) if *db.code() == SqlState::UNIQUE_VIOLATION => {
             StoreError::new(kind, format!("{context}: {}", db.message())).with_hint(UNIQUE_HINT)
+        }
+        Some(db)
+            if *db.code() == SqlState::INVALID_PASSWORD
+                || *db.code() == SqlState::INVALID_AUTHORIZATION_SPECIFICATION =>
+        {
+            StoreError::new(kind, format!("{context}: {}", db.message()))
+                .with_hint(LOGIN_REFUSED_HINT)
         }
         Some(db) if *db.code() == SqlState::READ_ONLY_SQL_TRANSACTION => {
             StoreError::new(kind, format!("{context}: {}", db.message())).with_hint(READ_ONLY_HINT)

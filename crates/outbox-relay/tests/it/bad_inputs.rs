@@ -679,6 +679,38 @@ fn unreachable_hosts_are_named_with_the_fix_and_exit_1() {
     }
 }
 
+/// A role the server will not let log in (no LOGIN; a rotated password and a pg_hba.conf
+/// line are refused with the same codes) was told to "fix the configuration value named in
+/// the message", which named none. The fix now names what the server can refuse a login for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_the_server_refuses_is_told_what_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = fresh_pg_database().await;
+    let database = url.rsplit('/').next().unwrap().to_string();
+    let role = format!("nologin_{}", &database[2..14]);
+    pg(&url)
+        .await
+        .batch_execute(&format!("CREATE ROLE {role} NOLOGIN"))
+        .await
+        .unwrap();
+    let as_role = url.replacen("postgres@", &format!("{role}@"), 1);
+    let run = relay(
+        dir.path(),
+        &[
+            "run",
+            "--drain",
+            "--database-url",
+            &as_role,
+            "--http-addr",
+            "",
+        ],
+    );
+    let stderr = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is not permitted to log in"), "{stderr}");
+    assert!(stderr.contains("ALTER ROLE <role> LOGIN"), "{stderr}");
+}
+
 #[test]
 fn a_bad_sslmode_is_a_configuration_error_naming_the_modes() {
     let dir = tempfile::tempdir().unwrap();
