@@ -260,8 +260,8 @@ pub(crate) fn with_lock_hint(e: StoreError) -> StoreError {
     }
 }
 
-/// What the database holds of `component`: its recorded version, or whether `probe` exists
-/// without one.
+/// What the database holds of `component`: its recorded version (where `probe` exists), or
+/// whether `probe` exists without one.
 pub(crate) async fn read_found(
     client: &tokio_postgres::Client,
     versions: &TableName,
@@ -277,7 +277,10 @@ pub(crate) async fn read_found(
         .await
         .map_err(|e| db_error("reading the schema version", e))?;
     let (has_versions, has_probe) = (row.get::<_, bool>(0), row.get::<_, bool>(1));
-    if has_versions {
+    // A version recorded for tables that are gone (an outbox dropped by hand) stands for
+    // nothing: every step runs again (each is idempotent). Trusted, it made `migrate` skip
+    // them, and its "table does not exist" error told to run `migrate`.
+    if has_versions && has_probe {
         let rows = client
             .query(
                 &format!(

@@ -26,12 +26,33 @@ fn publication_of(publication: &Ident, tables: &[&TableName]) -> String {
         .map(|t| t.quoted())
         .collect::<Vec<_>>()
         .join(", ");
+    // A table missing from a publication that lists its tables (one dropped and made again
+    // left it, and `check` refused to run without it) is added back.
+    let add_missing: String = tables
+        .iter()
+        .map(|t| {
+            let (schema, table_name) = (
+                t.schema.as_str().replace('\'', "''"),
+                t.name.as_str().replace('\'', "''"),
+            );
+            format!(
+                r#"
+    IF NOT (SELECT puballtables FROM pg_catalog.pg_publication WHERE pubname = '{name}')
+          AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables
+                           WHERE pubname = '{name}' AND schemaname = '{schema}'
+                             AND tablename = '{table_name}') THEN
+        ALTER PUBLICATION {quoted} ADD TABLE {table};
+    END IF;"#,
+                table = t.quoted()
+            )
+        })
+        .collect();
     format!(
         r#"DO $outbox_publication$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = '{name}') THEN
         CREATE PUBLICATION {quoted} FOR TABLE {table} WITH (publish = 'insert');
-    END IF;
+    END IF;{add_missing}
 END
 $outbox_publication$;"#
     )
@@ -257,16 +278,16 @@ GRANT SELECT ON {adopted} TO PUBLIC;
 
     /// A mapped table's events are held, parked and dead-lettered by its row ids: the
     /// native outbox and the parked table draw theirs from the same sequence, so no two
-    /// events anywhere share one.
+    /// events anywhere share one. The native outbox's parked table draws from the outbox's
+    /// sequence too (`LIKE … INCLUDING DEFAULTS`): an outbox dropped and made again took
+    /// the parked table's default with it (CASCADE), every adoption then failed on a NULL
+    /// id, and capture stalled for good while `check` said ok. Every `migrate` restores it.
     fn shared_ids_ddl(&self) -> String {
-        if !self.is_mapped() {
-            return String::new();
-        }
         let source = self.source.name.quoted().replace('\'', "''");
         let column = self.source.columns.sequence_id.replace('\'', "''");
         format!(
             r#"
--- A mapped table's row ids are the events' ids: the relay's own tables draw from its sequence.
+-- The captured table's row ids are the events' ids: the relay's own tables draw from its sequence.
 DO $outbox_ids$
 DECLARE
     ids text := pg_get_serial_sequence('{source}', '{column}');
@@ -276,12 +297,7 @@ BEGIN
     END IF;
     -- Only where the default differs: the ALTER takes the table's ACCESS EXCLUSIVE lock,
     -- which every migrate waited for behind any reader (pg_dump, a report).
-    IF NOT EXISTS (SELECT 1 FROM pg_attrdef d JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
-                    WHERE d.adrelid = '{outbox_literal}'::regclass AND a.attname = 'sequence_id'
-                      AND pg_get_expr(d.adbin, d.adrelid) = format('nextval(%L::regclass)', ids::regclass::text)) THEN
-        EXECUTE format('ALTER TABLE {outbox} ALTER COLUMN sequence_id SET DEFAULT nextval(%L::regclass)', ids);
-    END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_attrdef d JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+{native_outbox}    IF NOT EXISTS (SELECT 1 FROM pg_attrdef d JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
                     WHERE d.adrelid = '{parked_literal}'::regclass AND a.attname = 'sequence_id'
                       AND pg_get_expr(d.adbin, d.adrelid) = format('nextval(%L::regclass)', ids::regclass::text)) THEN
         EXECUTE format('ALTER TABLE {parked} ALTER COLUMN sequence_id SET DEFAULT nextval(%L::regclass)', ids);
@@ -289,9 +305,20 @@ BEGIN
 END
 $outbox_ids$;
 "#,
-            outbox_literal = self.outbox.quoted().replace('\'', "''"),
+            native_outbox = match self.is_mapped() {
+                true => format!(
+                    r#"    IF NOT EXISTS (SELECT 1 FROM pg_attrdef d JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+                    WHERE d.adrelid = '{outbox_literal}'::regclass AND a.attname = 'sequence_id'
+                      AND pg_get_expr(d.adbin, d.adrelid) = format('nextval(%L::regclass)', ids::regclass::text)) THEN
+        EXECUTE format('ALTER TABLE {outbox} ALTER COLUMN sequence_id SET DEFAULT nextval(%L::regclass)', ids);
+    END IF;
+"#,
+                    outbox_literal = self.outbox.quoted().replace('\'', "''"),
+                    outbox = self.outbox.quoted(),
+                ),
+                false => String::new(),
+            },
             parked_literal = self.parked.quoted().replace('\'', "''"),
-            outbox = self.outbox.quoted(),
             parked = self.parked.quoted(),
         )
     }

@@ -713,6 +713,46 @@ async fn an_emit_while_no_slot_streams_fails_in_the_writers_transaction() {
     assert!(!text(&check().stdout).contains("is not this version's"));
 }
 
+/// An outbox dropped and made again: its sequence went with it, and with it the parked
+/// table's default (`LIKE … INCLUDING DEFAULTS`). `migrate` trusted the recorded version and
+/// did not make the table again, its error told to run `migrate`; made by hand, every
+/// adoption then failed on a NULL id, capture stalled for good, and `check` said ok. `check`
+/// now names the parked table's missing default, and `migrate` makes the outbox again and
+/// restores the default; then everything written goes out.
+#[tokio::test]
+async fn an_outbox_dropped_and_made_again_is_migrated_again_and_captured() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    assert_success("the first drain, which makes the slot", &w.drain(&out));
+    w.db.batch_execute("DROP TABLE outbox CASCADE")
+        .await
+        .unwrap();
+    let (code, said) = relay_check(&w);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(said.contains("has no default"), "{said}");
+    let migrate = |w: &WalDb| {
+        relay(
+            w.dir.path(),
+            &[&["migrate"][..], &capture_flags(&w.url, &w.slot)].concat(),
+        )
+    };
+    assert_success("migrate after the drop", &migrate(&w));
+    // The publication's table is a new one: the slot's next session adopts again (which
+    // `check` says meanwhile).
+    let (_, said) = relay_check(&w);
+    assert!(!said.contains("has no default"), "{said}");
+    assert!(!said.contains("does not exist"), "{said}");
+    insert(&w.db, "a", 1).await;
+    emit(&w.db, "b", 2).await;
+    assert_success("the drain after the drop", &w.drain(&out));
+    let keys: Vec<String> = read_lines(&out)
+        .iter()
+        .filter_map(|line| line["partition_key"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(keys, ["a", "b"]);
+    w.assert_empty("").await;
+}
+
 /// `outbox_emit` with key `key` on a connection of its own (the function reads the slots
 /// once a second per session).
 async fn emit_in_a_new_session(url: &str, key: &str) -> Result<(), tokio_postgres::Error> {

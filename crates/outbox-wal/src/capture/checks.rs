@@ -68,6 +68,7 @@ pub async fn verify_capture(
     problems.extend(public_emit(main, &sql, &tables).await?);
     problems.extend(legacy_emit(main, &sql, &tables).await?);
     problems.extend(earlier_emit(main, &sql, &tables).await?);
+    problems.extend(parked_ids(main, &tables).await?);
     problems.extend(other_slots(main, &sql, &tables, slot).await);
     problems.extend(synchronous_standby_names(main).await?);
     let status = slot_status(main, slot).await?;
@@ -708,6 +709,35 @@ async fn earlier_emit(
         ),
         "run `outbox-relay migrate --capture wal` with this version (it replaces the          function, keeping SECURITY DEFINER where it was set)",
     )])
+}
+
+/// The parked table's `sequence_id` without a default: the outbox's sequence it drew from
+/// went with an outbox dropped and made again (CASCADE). Every adoption and park then
+/// failed on a NULL id, and capture stalled for good while `check` said ok.
+async fn parked_ids(main: &PgStore, tables: &CaptureTables) -> StoreResult<Option<Problem>> {
+    let rows = main
+        .query_rows(
+            "parked ids",
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_attrdef d
+                              JOIN pg_catalog.pg_attribute a
+                                ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+                             WHERE d.adrelid = to_regclass($1) AND a.attname = 'sequence_id'),
+                    to_regclass($1) IS NOT NULL",
+            &[&tables.parked.quoted()],
+        )
+        .await?;
+    let (has_default, exists) = (rows[0].get::<_, bool>(0), rows[0].get::<_, bool>(1));
+    Ok((exists && !has_default).then(|| {
+        Problem::blocking(
+            format!(
+                "the parked table {}'s sequence_id has no default (the outbox's sequence it \
+                 drew from is gone: was the outbox dropped and made again?), so every park \
+                 and adoption fails",
+                tables.parked
+            ),
+            "run `outbox-relay migrate --capture wal` (it restores the default)",
+        )
+    }))
 }
 
 /// The role the store connects as, for the fixes that name it.
