@@ -161,6 +161,40 @@ async fn each_key_asked_costs_one_index_probe_however_many_rows_wait() {
     assert!(scanned >= 20_000, "the scan read {scanned} rows");
 }
 
+/// A claim of the parked table reads the keys still waiting once, not once per candidate
+/// row: MariaDB made `key NOT IN (SELECT key … WHERE available_at > now)` a DEPENDENT
+/// SUBQUERY, 5 s a claim over 25,000 parked rows, past the statement's bound, and nothing
+/// was delivered. Counted in rows read, not timed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_reads_the_waiting_keys_once_however_many_rows_are_parked() {
+    let (_url, _database, mut conn) = database().await;
+    conn.query_drop(format!(
+        "INSERT INTO {PARKED} (destination, partition_key, event_type, payload)
+         SELECT 'orders', CONCAT('k', seq % 50), 'T', JSON_OBJECT() FROM seq_1_to_20000;
+         UPDATE {PARKED} SET available_at = UTC_TIMESTAMP(6) + INTERVAL 1 HOUR, attempts = 1
+          WHERE sequence_id % 1000 = 0"
+    ))
+    .await
+    .unwrap();
+    let sql = outbox_layout::sql::Sql::new(
+        outbox_layout::Mapping {
+            waiting_rows_block_their_key: true,
+            ..outbox_layout::Mapping::native_mysql(None, PARKED, false)
+        },
+        outbox_layout::Dialect::MySql,
+    )
+    .unwrap();
+    let claim = sql.claim_select(&sql.claimable(), "200", true);
+    let before = rows_read(&mut conn).await;
+    let claimed: Vec<mysql_async::Row> = conn.query(&claim).await.unwrap();
+    let read = rows_read(&mut conn).await - before;
+    // 200 rows of the keys that do not wait (k0 and k… of each thousandth row wait).
+    assert_eq!(claimed.len(), 200);
+    // One read of the table for the waiting keys, one for the claim: tens of thousands,
+    // not millions.
+    assert!(read < 100_000, "the claim read {read} rows");
+}
+
 /// A parked table made before the index (as the native table's columns only) has neither
 /// the key hash nor its index: `check` says so, and `upgrade_parked` (run by every
 /// `migrate`) adds both, once.
