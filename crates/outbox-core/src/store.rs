@@ -503,7 +503,15 @@ pub fn no_answer(context: &str, within: Duration) -> StoreError {
              presumed lost"
         ),
     )
+    .with_hint(NO_ANSWER_HINT)
 }
+
+/// The fix for an operation the relay gave up waiting for: the client cannot tell a dead
+/// network from a statement that runs that long, and the connection's hint named only the
+/// first (a slow claim was sent to check the host and port).
+const NO_ANSWER_HINT: &str = "check that the database is running and reachable; if it is, \
+    the statement ran that long: see the database's running statements (pg_stat_activity, \
+    SHOW PROCESSLIST) for it and for what it waits on (the relay retries meanwhile)";
 
 /// Partition leases with fencing epochs, in the same database as the outbox.
 ///
@@ -721,4 +729,19 @@ pub trait Operations: Send + Sync + 'static {
 
     /// Deletes up to `batch` dead letters older than `before`; returns how many.
     fn prune_dead(&self, before: SystemTime, batch: u32) -> StoreFuture<u64>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A statement that runs past the bound looks like a dead network to the client: the
+    /// hint names both, where the connection's named only the host and port.
+    #[test]
+    fn an_operation_given_up_on_names_a_long_statement_too() {
+        let e = no_answer("claim", Duration::from_secs(30));
+        assert!(e.is_retryable());
+        assert!(e.hint().contains("SHOW PROCESSLIST"), "{}", e.hint());
+        assert!(e.to_string().contains("within 30s"), "{e}");
+    }
 }
