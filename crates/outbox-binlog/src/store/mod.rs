@@ -307,7 +307,6 @@ impl BinlogStore {
         let outbox = format!("{}.{}", options.binlog.database, options.binlog.table);
         let sql = Statements::new(
             &options.mapping,
-            &options.binlog.database,
             &options.parked_table,
             &options.seat.positions,
         )?;

@@ -55,11 +55,10 @@ pub(super) struct Statements {
 }
 
 impl Statements {
-    /// The outbox `mapping` describes in `database`, with `parked` and `positions` as
-    /// configured (`db.table` or `table`).
+    /// The outbox `mapping` describes, with `parked` and `positions` as configured
+    /// (`db.table` or `table`).
     pub(super) fn new(
         mapping: &Mapping,
-        database: &str,
         parked: &str,
         positions: &str,
     ) -> Result<Self, BinlogError> {
@@ -67,14 +66,10 @@ impl Statements {
         let event_id = Sql::new(mapping.clone(), Dialect::MySql)
             .map_err(config)?
             .event_id_expr();
-        let source = Sql::new(
-            Mapping {
-                schema: Some(database.to_string()),
-                ..mapping.clone()
-            },
-            Dialect::MySql,
-        )
-        .map_err(config)?;
+        // Named with its database only where the mapping names one (else the sessions'
+        // own): a database name that is no identifier (`shop-db`) was put in the mapping,
+        // and every run was refused that `migrate` and `check` had passed.
+        let source = Sql::new(mapping.clone(), Dialect::MySql).map_err(config)?;
         Ok(Statements {
             outbox: source.table(),
             parked: quoted(parked),
@@ -370,14 +365,14 @@ mod tests {
     #[test]
     fn each_parked_row_adds_its_share_of_the_statements_text() {
         let native = Mapping::native_mysql(None, "outbox", false);
-        let sql = Statements::new(&native, "db", "db.outbox_parked", "db.outbox_binlog").unwrap();
+        let sql = Statements::new(&native, "db.outbox_parked", "db.outbox_binlog").unwrap();
         assert_eq!(sql.park(3).len() - sql.park(2).len(), PARK_TEXT_PER_ROW);
     }
 
     #[test]
     fn a_copied_park_binds_the_parks_values_but_the_payload_and_then_the_row() {
         let native = Mapping::native_mysql(None, "outbox", false);
-        let sql = Statements::new(&native, "db", "db.outbox_parked", "db.outbox_binlog").unwrap();
+        let sql = Statements::new(&native, "db.outbox_parked", "db.outbox_binlog").unwrap();
         let copied = sql.park_copied();
         assert_eq!(copied.matches('?').count(), PARK_PARAMS);
         assert!(copied.contains("?, ?, ?, ?, o.`payload`, ?"), "{copied}");
@@ -387,7 +382,7 @@ mod tests {
     #[test]
     fn a_park_binds_its_values_row_by_row_in_order() {
         let native = Mapping::native_mysql(None, "outbox", false);
-        let sql = Statements::new(&native, "db", "db.outbox_parked", "db.outbox_binlog").unwrap();
+        let sql = Statements::new(&native, "db.outbox_parked", "db.outbox_binlog").unwrap();
         let park = sql.park(2);
         assert_eq!(park.matches('?').count(), 2 * PARK_PARAMS);
         assert!(
@@ -395,14 +390,9 @@ mod tests {
             "{park}"
         );
         let settle = sql.settle_rows(&[1, 22, 333]);
+        assert!(settle.starts_with("DELETE FROM `outbox` WHERE"), "{settle}");
         assert!(
-            settle.starts_with("DELETE FROM `db`.`outbox` WHERE"),
-            "{settle}"
-        );
-        assert!(
-            settle.ends_with(
-                "`db`.`outbox`.`sequence_id` IN (1,22,333) ORDER BY `sequence_id` LIMIT 3"
-            ),
+            settle.ends_with("`outbox`.`sequence_id` IN (1,22,333) ORDER BY `sequence_id` LIMIT 3"),
             "{settle}"
         );
     }
@@ -417,7 +407,7 @@ mod tests {
             created_at: None,
             ..Mapping::native_mysql(None, "events", false)
         };
-        let sql = Statements::new(&mapping, "db", "db.events_parked", "db.events_binlog").unwrap();
+        let sql = Statements::new(&mapping, "db.events_parked", "db.events_binlog").unwrap();
         let insert = sql
             .adoption()
             .into_iter()
@@ -434,18 +424,18 @@ mod tests {
     #[test]
     fn runs_of_consecutive_ids_are_settled_as_ranges() {
         let native = Mapping::native_mysql(None, "outbox", false);
-        let sql = Statements::new(&native, "db", "db.outbox_parked", "db.outbox_binlog").unwrap();
+        let sql = Statements::new(&native, "db.outbox_parked", "db.outbox_binlog").unwrap();
         let settle = sql.settle_rows(&[12, 10, 11, 40, 20, 21, 13, 11]);
         assert!(
             settle.ends_with(
-                "WHERE (`db`.`outbox`.`sequence_id` BETWEEN 10 AND 13 OR `db`.`outbox`.`sequence_id` IN (20,21,40)) ORDER BY `sequence_id` LIMIT 7"
+                "WHERE (`outbox`.`sequence_id` BETWEEN 10 AND 13 OR `outbox`.`sequence_id` IN (20,21,40)) ORDER BY `sequence_id` LIMIT 7"
             ),
             "{settle}"
         );
         let only_ranges = sql.settle_rows(&[3, 1, 2]);
         assert!(
             only_ranges.ends_with(
-                "WHERE `db`.`outbox`.`sequence_id` BETWEEN 1 AND 3 ORDER BY `sequence_id` LIMIT 3"
+                "WHERE `outbox`.`sequence_id` BETWEEN 1 AND 3 ORDER BY `sequence_id` LIMIT 3"
             ),
             "{only_ranges}"
         );

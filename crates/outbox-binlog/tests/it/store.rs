@@ -1729,8 +1729,8 @@ async fn a_reader_whose_adoption_outlasted_its_lease_still_reads() {
                 .ok()?
                 .exec_first(
                     "SELECT count(*) FROM information_schema.processlist
-                  WHERE db IS NOT NULL AND info LIKE 'SELECT % FOR UPDATE' AND info LIKE ?",
-                    (format!("%{}%outbox%", fixture.database),),
+                  WHERE db = ? AND info LIKE 'SELECT % FOR UPDATE' AND info LIKE '%outbox%'",
+                    (&fixture.database,),
                 )
                 .await
                 .ok()?;

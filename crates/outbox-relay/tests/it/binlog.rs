@@ -471,6 +471,34 @@ async fn run_drain_relays_what_was_committed_before_it_and_exits_0() {
     assert_every_key_in_order(&by_key, &["a", "b"], 50);
 }
 
+/// A database whose name is no identifier (`shop-db`, quoted wherever it is named): `migrate`
+/// and `check` passed, and every `run --capture binlog` was refused ("invalid mapping
+/// schema"), the database name having been put in the outbox's mapping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_named_with_a_dash_is_captured() {
+    use mysql_async::prelude::Queryable;
+    let admin = std::env::var("OUTBOX_TEST_MYSQL_URL").unwrap();
+    let name = format!(
+        "shop-db-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    let mut conn = mysql_async::Conn::from_url(admin.as_str()).await.unwrap();
+    conn.query_drop(format!("CREATE DATABASE `{name}`"))
+        .await
+        .unwrap();
+    conn.disconnect().await.unwrap();
+    let db = BinlogDb::at(&outbox_testkit::with_database(&admin, &name), &[]).await;
+    let mut started = db.reading("relay-1", "out.jsonl").await;
+    assert!(started.terminate().await.success(), "{}", started.logs());
+    db.write(&["a", "b"], 0, 20, true).await;
+    let mut drain = db.spawn("relay-2", "out.jsonl", &["--drain"]);
+    let status = drain.wait_exit_within(Duration::from_secs(60)).await;
+    assert!(status.success(), "{}", drain.logs());
+    let (by_key, _) = first_deliveries(&[db.path("out.jsonl")]);
+    assert_every_key_in_order(&by_key, &["a", "b"], 20);
+    assert_eq!(db.count("outbox").await, 0, "delivered rows are deleted");
+}
+
 /// A role without REPLICATION CLIENT, once a position is stored (a first run as an admin,
 /// then the deployment's own role): `check` and `run` name the grant, and `run` stops as for
 /// the server's other blocking problems (exit 1: a supervisor's restart finds the grant once
