@@ -471,6 +471,44 @@ async fn run_drain_relays_what_was_committed_before_it_and_exits_0() {
     assert_every_key_in_order(&by_key, &["a", "b"], 50);
 }
 
+/// An outbox whose event id is MariaDB's own `UUID` type: the log carries its 16 bytes, read
+/// as text they were no UUID, and every event was dead-lettered though `check` passed and
+/// polling relayed the table. The event id goes out as the table shows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_id_of_mariadbs_uuid_type_goes_out_as_the_table_shows_it() {
+    use mysql_async::prelude::Queryable;
+    let db = BinlogDb::new().await;
+    let mut conn = db.pool.get_conn().await.unwrap();
+    conn.query_drop("ALTER TABLE outbox MODIFY event_id uuid NOT NULL DEFAULT uuid()")
+        .await
+        .unwrap();
+    let mut started = db.reading("relay-1", "out.jsonl").await;
+    assert!(started.terminate().await.success(), "{}", started.logs());
+    let ids = [
+        "00112233-4455-6677-8899-aabbccddeeff",
+        "00112233-4455-1677-8899-aabbccddeeff",
+    ];
+    for id in ids {
+        conn.exec_drop(
+            "INSERT INTO outbox (event_id, destination, partition_key, event_type, payload)
+             VALUES (?, 'orders', 'k', 'T', JSON_OBJECT())",
+            (id,),
+        )
+        .await
+        .unwrap();
+    }
+    drop(conn);
+    let mut drain = db.spawn("relay-2", "out.jsonl", &["--drain"]);
+    let status = drain.wait_exit_within(Duration::from_secs(60)).await;
+    assert!(status.success(), "{}", drain.logs());
+    let sent: Vec<String> = read_lines(&db.path("out.jsonl"))
+        .iter()
+        .map(|line| line["event_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(sent, ids);
+    assert_eq!(db.count("outbox_parked").await, 0, "nothing dead-lettered");
+}
+
 /// A database whose name is no identifier (`shop-db`, quoted wherever it is named): `migrate`
 /// and `check` passed, and every `run --capture binlog` was refused ("invalid mapping
 /// schema"), the database name having been put in the outbox's mapping.
