@@ -23,6 +23,15 @@ fn sqlite_outbox(dir: &Path) -> String {
     url
 }
 
+/// A fresh PostgreSQL database, migrated (by a relay working in `dir`): its URL.
+async fn migrated_pg(dir: &Path) -> String {
+    let url = fresh_pg_database().await;
+    assert!(relay(dir, &["migrate", "--database-url", &url])
+        .status
+        .success());
+    url
+}
+
 fn sqlite(dir: &Path) -> rusqlite::Connection {
     rusqlite::Connection::open(dir.join("outbox.db")).unwrap()
 }
@@ -87,10 +96,7 @@ fn dead_reason(dead: &[serde_json::Value], event_type: &str) -> String {
 async fn rows_with_ids_of_zero_or_below_are_relayed_in_id_order() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let pg_url = fresh_pg_database().await;
-    assert!(relay(d, &["migrate", "--database-url", &pg_url])
-        .status
-        .success());
+    let pg_url = migrated_pg(d).await;
     pg(&pg_url)
         .await
         .batch_execute(
@@ -174,10 +180,7 @@ async fn malformed_headers_and_truncated_payloads_are_dead_lettered_with_the_rea
 async fn header_numbers_are_published_as_the_database_stored_them() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let pg_url = fresh_pg_database().await;
-    assert!(relay(d, &["migrate", "--database-url", &pg_url])
-        .status
-        .success());
+    let pg_url = migrated_pg(d).await;
     pg(&pg_url)
         .await
         .batch_execute(

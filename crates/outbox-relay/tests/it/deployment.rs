@@ -907,6 +907,22 @@ async fn a_row_a_foreign_key_keeps_holds_back_no_other_row_of_its_ack() {
     );
 }
 
+/// A relay polling `url` every 100 ms to a file, serving HTTP, once `/readyz` says ready:
+/// its directory, the process and its HTTP address.
+async fn a_ready_relay_polling(url: &str) -> (tempfile::TempDir, RelayProcess, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = format!("file:{}", dir.path().join("out.jsonl").display());
+    let node = RelayProcess::spawn(
+        dir.path(),
+        "relay",
+        &crate::support::run_serving(&sink, &["--database-url", url, "--poll-interval", "100ms"]),
+        &[],
+    );
+    let addr = crate::support::http_addr(&node).await;
+    crate::support::readyz(&node, &addr, 200, "", Duration::from_secs(30)).await;
+    (dir, node, addr)
+}
+
 /// A session holding a lock the relay's claims wait for (a DBA's `LOCK TABLE`, left open):
 /// `/readyz` said the database did not answer, which reads as a dead network, and the DBA
 /// had to find the session alone. It now names the session holding the lock.
@@ -914,16 +930,7 @@ async fn a_row_a_foreign_key_keeps_holds_back_no_other_row_of_its_ack() {
 async fn readyz_names_the_session_holding_the_lock_the_relay_waits_for() {
     let url = outbox_testkit::fresh_pg_database().await;
     migrate_with(&url, &[]);
-    let dir = tempfile::tempdir().unwrap();
-    let sink = format!("file:{}", dir.path().join("out.jsonl").display());
-    let mut node = RelayProcess::spawn(
-        dir.path(),
-        "relay",
-        &crate::support::run_serving(&sink, &["--database-url", &url, "--poll-interval", "100ms"]),
-        &[],
-    );
-    let addr = crate::support::http_addr(&node).await;
-    crate::support::readyz(&node, &addr, 200, "", Duration::from_secs(30)).await;
+    let (_dir, mut node, addr) = a_ready_relay_polling(&url).await;
     let locker = pg(&url).await;
     locker
         .batch_execute(
@@ -1018,16 +1025,7 @@ async fn readyz_names_the_mariadb_session_holding_the_lock_the_relay_waits_for()
         .query_drop("UNINSTALL PLUGIN IF EXISTS metadata_lock_info")
         .await
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let sink = format!("file:{}", dir.path().join("out.jsonl").display());
-    let mut node = RelayProcess::spawn(
-        dir.path(),
-        "relay",
-        &crate::support::run_serving(&sink, &["--database-url", &url, "--poll-interval", "100ms"]),
-        &[],
-    );
-    let addr = crate::support::http_addr(&node).await;
-    crate::support::readyz(&node, &addr, 200, "", Duration::from_secs(30)).await;
+    let (_dir, mut node, addr) = a_ready_relay_polling(&url).await;
     let mut locker = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
     locker.query_drop("LOCK TABLES outbox WRITE").await.unwrap();
     let id = locker.id();
