@@ -23,12 +23,14 @@ fn sqlite_outbox(dir: &Path) -> String {
     url
 }
 
-/// A fresh PostgreSQL database, migrated (by a relay working in `dir`): its URL.
-async fn migrated_pg(dir: &Path) -> String {
+/// A fresh PostgreSQL database, migrated (by a relay working in `dir`), with `rows` run in
+/// it: its URL.
+async fn migrated_pg_with(dir: &Path, rows: &str) -> String {
     let url = fresh_pg_database().await;
     assert!(relay(dir, &["migrate", "--database-url", &url])
         .status
         .success());
+    pg(&url).await.batch_execute(rows).await.unwrap();
     url
 }
 
@@ -96,16 +98,13 @@ fn dead_reason(dead: &[serde_json::Value], event_type: &str) -> String {
 async fn rows_with_ids_of_zero_or_below_are_relayed_in_id_order() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let pg_url = migrated_pg(d).await;
-    pg(&pg_url)
-        .await
-        .batch_execute(
-            r#"INSERT INTO outbox (sequence_id, destination, partition_key, event_type, payload)
+    let pg_url = migrated_pg_with(
+        d,
+        r#"INSERT INTO outbox (sequence_id, destination, partition_key, event_type, payload)
                VALUES (-5, 'orders', 'k', 't', '{"n":1}'), (0, 'orders', 'k', 't', '{"n":2}'),
                       (7, 'orders', 'k', 't', '{"n":3}')"#,
-        )
-        .await
-        .unwrap();
+    )
+    .await;
     let sqlite_url = sqlite_outbox(d);
     sqlite(d)
         .execute_batch(
@@ -178,19 +177,16 @@ async fn malformed_headers_and_truncated_payloads_are_dead_lettered_with_the_rea
 /// (which `jsonb` stores) was dead-lettered as "not valid JSON".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn header_numbers_are_published_as_the_database_stored_them() {
+    let headers = r#"{"id": 9007199254740993, "price": 1.50,
+        "order": 123456789012345678901234567890, "huge": 1e400,
+        "nested": {"n": 9007199254740993, "s": "a b"}}"#;
+    let row = format!(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, headers)
+         VALUES ('orders', 'k', 't', '{{}}', '{headers}')"
+    );
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let pg_url = migrated_pg(d).await;
-    pg(&pg_url)
-        .await
-        .batch_execute(
-            r#"INSERT INTO outbox (destination, partition_key, event_type, payload, headers)
-               VALUES ('orders', 'k', 't', '{}', '{"id": 9007199254740993, "price": 1.50,
-                       "order": 123456789012345678901234567890, "huge": 1e400,
-                       "nested": {"n": 9007199254740993, "s": "a b"}}')"#,
-        )
-        .await
-        .unwrap();
+    let pg_url = migrated_pg_with(d, &row).await;
     let (run, lines) = drain_to_file(d, &pg_url, &[]);
     assert!(run.status.success(), "{}", text(&run.stderr));
     assert_eq!(lines.len(), 1, "{lines:?}");
