@@ -4120,6 +4120,10 @@ async fn default_slots_are_named_per_database_and_an_upgraded_relay_keeps_its_ol
         slot: "outbox_relay".into(),
     };
     create_slot(&w.db, "outbox_relay", "pgoutput").await;
+    // As that version's first session recorded it (`outbox_emit` counts only such slots).
+    w.db.batch_execute("INSERT INTO outbox_adopted (slot) VALUES ('outbox_relay')")
+        .await
+        .unwrap();
     emit(&w.db, "k", 1).await;
     let out = w.path("events.jsonl");
     let sink = format!("file:{}", out.display());
