@@ -18,7 +18,7 @@
 use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, Opts, Row, Value};
+use mysql_async::{Conn, Opts, Row};
 use outbox_core::store::{LockHolders, StoreResult};
 
 /// Sessions whose InnoDB transactions hold rows a session of the relay's user waits for.
@@ -132,11 +132,7 @@ fn server_code(error: &mysql_async::Error) -> Option<u16> {
 /// `connection 12 (user app@10.0.0.5, Sleep, in a transaction for 40s, last statement "…")`:
 /// columns id, user, host, command, state, seconds, statement.
 fn session_line(row: &Row, seconds_are: &str) -> String {
-    let text = |i: usize| match row.as_ref(i) {
-        Some(Value::Bytes(b)) => Some(String::from_utf8_lossy(b).into_owned()),
-        Some(Value::NULL) | None => None,
-        Some(other) => Some(other.as_sql(true).trim_matches('\'').to_string()),
-    };
+    let text = |i: usize| crate::text(crate::col(row, i));
     let id = text(0).unwrap_or_else(|| "?".into());
     let user = match (text(1), text(2)) {
         (Some(user), Some(host)) => format!("{user}@{host}"),

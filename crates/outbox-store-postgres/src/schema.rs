@@ -543,7 +543,6 @@ const ROW_LEASE: &str = " AND o.locked_by = $1 AND o.locked_until IS NOT NULL";
 
 /// The ordering key of the claimed or settled row (`o`) and of an earlier row (`p`).
 const KEY_O: &str = "coalesce(o.partition_key, o.destination)";
-
 const KEY_P: &str = "coalesce(p.partition_key, p.destination)";
 
 impl Statements {
