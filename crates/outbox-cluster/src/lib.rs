@@ -17,13 +17,15 @@ pub mod settings;
 
 pub use settings::{ClusterSettings, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT};
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outbox_core::health::Check;
 use outbox_core::migration::{CLUSTER_PROTOCOL, OLDEST_PEER_PROTOCOL};
-use outbox_core::store::{Heartbeat, Incarnation, NodeRegistry, PartitionRegistry, Registration};
+use outbox_core::store::{
+    Heartbeat, Heartbeated, Incarnation, NodeRegistry, PartitionRegistry, Registration,
+};
 use outbox_core::{Health, NodeId, Ownership, StoreError, StoreErrorKind};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -262,10 +264,12 @@ async fn run(
     mut stopped: watch::Receiver<bool>,
     written: watch::Sender<Option<Incarnation>>,
 ) {
+    let first = *written.borrow();
     let mut keeper = Keeper {
         registry,
         partitions,
         config,
+        wrote: Wrote::starting_with(first),
         written,
         count: None,
         counted: None,
@@ -291,6 +295,8 @@ struct Keeper {
     config: ClusterConfig,
     /// The expiry this process last wrote; `None` once another process took the row.
     written: watch::Sender<Option<Incarnation>>,
+    /// The expiries it wrote before, to know its own row rolled back.
+    wrote: Wrote,
     /// The partition count, once read.
     count: Option<u32>,
     /// When the partitions table was last counted for the gauges, and the count running.
@@ -317,6 +323,7 @@ impl Keeper {
         match beat(&*self.registry, &self.config, last).await {
             Beat::Live(incarnation, live) => {
                 self.unanswered = false;
+                self.wrote.push(incarnation);
                 self.written.send_replace(Some(incarnation));
                 Membership::Held(live)
             }
@@ -324,11 +331,24 @@ impl Keeper {
                 self.unanswered = true;
                 Membership::Held(None)
             }
-            Beat::Displaced if self.unanswered => {
+            Beat::Displaced(Some(shown)) if self.wrote.contains(shown) => {
+                // A database restored from a backup or snapshot, or failed over to a replica
+                // that lagged, shows an expiry this process wrote before: no other process
+                // is in sight. Before, the relay stopped as if one were.
+                tracing::warn!(
+                    node = %self.config.node,
+                    "the nodes table shows an earlier heartbeat of this process's (the database \
+                     went back to an earlier state: restored, or failed over to a replica that \
+                     lagged); heartbeating on from it"
+                );
+                self.written.send_replace(Some(shown));
+                Membership::Held(None)
+            }
+            Beat::Displaced(_) if self.unanswered => {
                 self.adopt_unanswered_write().await;
                 Membership::Held(None)
             }
-            Beat::Displaced => {
+            Beat::Displaced(_) => {
                 self.drop_everything();
                 Membership::Lost
             }
@@ -349,6 +369,7 @@ impl Keeper {
         {
             Ok(Registration::Taken(current) | Registration::Registered(current)) => {
                 tracing::info!(node = %config.node, "the last heartbeat's answer was lost; its write is taken as this process's");
+                self.wrote.push(current);
                 self.written.send_replace(Some(current));
             }
             Err(e) => {
@@ -443,8 +464,35 @@ enum Beat {
     /// The new expiry, and the live node ids if they could be listed.
     Live(Incarnation, Option<Vec<String>>),
     Failed,
-    /// Another process rewrote this node's row.
-    Displaced,
+    /// The row shows an expiry other than the last one written (the one it shows, if read).
+    Displaced(Option<Incarnation>),
+}
+
+/// The expiries a process wrote to its row: the latest day's at the default interval. A
+/// database rolled back further shows an expiry long past; the relay stops as displaced, and
+/// restarted, takes the expired row over at registration.
+struct Wrote(VecDeque<Incarnation>);
+
+impl Wrote {
+    const KEPT: usize = 43_200;
+
+    fn starting_with(first: Option<Incarnation>) -> Self {
+        Wrote(first.into_iter().collect())
+    }
+
+    fn push(&mut self, expiry: Incarnation) {
+        if self.0.back() == Some(&expiry) {
+            return;
+        }
+        if self.0.len() == Self::KEPT {
+            self.0.pop_front();
+        }
+        self.0.push_back(expiry);
+    }
+
+    fn contains(&self, expiry: Incarnation) -> bool {
+        self.0.contains(&expiry)
+    }
 }
 
 /// Heartbeats, removes expired nodes, and lists the live node ids.
@@ -458,11 +506,11 @@ async fn beat(registry: &dyn NodeRegistry, config: &ClusterConfig, last: Incarna
         })
         .await
     {
-        Ok(Some(incarnation)) => {
+        Ok(Heartbeated::Pushed(incarnation)) => {
             attempt.succeeded();
             incarnation
         }
-        Ok(None) => return Beat::Displaced,
+        Ok(Heartbeated::RowShows(shown)) => return Beat::Displaced(shown),
         Err(e) => {
             tracing::warn!(error = %e.report(), "heartbeat failed");
             attempt.failed(e.report());

@@ -420,6 +420,28 @@ pub struct Heartbeat {
     pub ttl: Duration,
 }
 
+/// What [`NodeRegistry::heartbeat`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Heartbeated {
+    /// The row showed `last` (or was gone): it now shows this expiry.
+    Pushed(Incarnation),
+    /// The row shows another expiry and was left as it is: the expiry it shows, where the
+    /// store could read it. Another process heartbeats under this id, or the database went
+    /// back to an earlier state of its own (restored, or failed over to a lagging replica):
+    /// the caller tells the two apart by the expiries it wrote.
+    RowShows(Option<Incarnation>),
+}
+
+impl Heartbeated {
+    /// The expiry written, if the heartbeat landed.
+    pub fn pushed(self) -> Option<Incarnation> {
+        match self {
+            Heartbeated::Pushed(i) => Some(i),
+            Heartbeated::RowShows(_) => None,
+        }
+    }
+}
+
 /// What [`NodeRegistry::register`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Registration {
@@ -465,9 +487,8 @@ pub trait NodeRegistry: Send + Sync + 'static {
 
     /// Pushes the node's expiry to `now + ttl` if its row still shows `last`, or inserts it
     /// again if it is gone (expired and removed by another node). Returns the new expiry, or
-    /// `None` when the row shows an expiry this process did not write: another process
-    /// heartbeats under this id.
-    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Option<Incarnation>>;
+    /// the one the row shows when it is not `last`; the row is then left as it is.
+    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Heartbeated>;
 
     /// Deletes rows whose expiry has passed; returns how many.
     fn remove_expired(&self) -> StoreFuture<u64>;

@@ -35,7 +35,7 @@ use futures::FutureExt;
 use outbox_core::health::Check;
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, Crowded, DeadLetter, DeadQuery, DeadRecord, DeadRetried,
-    DeadSelector, DestinationStats, EventRecord, EventState, Heartbeat, Incarnation,
+    DeadSelector, DestinationStats, EventRecord, EventState, Heartbeat, Heartbeated, Incarnation,
     LeaseExtension, LeaseHolder, LockHolders, NodeRecord, NodeRegistry, OnChange, Operations,
     Problem, Registration, ReplayPage, ReplaySelector, RetryLater, StoreFuture, StoreResult,
 };
@@ -1366,10 +1366,10 @@ impl<D: MappedDb> NodeRegistry for MappedStore<D> {
         }
     }
 
-    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Option<Incarnation>> {
+    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Heartbeated> {
         match self.inner.db.nodes() {
             Some(nodes) => nodes.heartbeat(beat),
-            None => futures::future::ready(Ok(Some(beat.last))).boxed(),
+            None => futures::future::ready(Ok(Heartbeated::Pushed(beat.last))).boxed(),
         }
     }
 

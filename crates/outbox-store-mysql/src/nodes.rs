@@ -7,8 +7,8 @@ use futures::FutureExt;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params, Pool, Row, Value};
 use outbox_core::store::{
-    Heartbeat, Incarnation, NodeRecord, NodeRegistry, NodeRow, Registration, StoreFuture,
-    StoreResult,
+    Heartbeat, Heartbeated, Incarnation, NodeRecord, NodeRegistry, NodeRow, Registration,
+    StoreFuture, StoreResult,
 };
 use outbox_core::time::{from_micros, millis};
 use outbox_core::NodeId;
@@ -182,7 +182,7 @@ impl NodeRegistry for Nodes {
         .boxed()
     }
 
-    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Option<Incarnation>> {
+    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Heartbeated> {
         let Heartbeat { node, last, ttl } = beat;
         let store = self.clone();
         async move {
@@ -190,8 +190,11 @@ impl NodeRegistry for Nodes {
             let write = store.write_node_expiry("heartbeat", &nodes, &node, ttl, |row| {
                 NodeRow::may_heartbeat(row, last)
             });
-            let (_, written) = bounded(store.operation_timeout, "heartbeat", write).await?;
-            Ok(written.map(Incarnation))
+            let (current, written) = bounded(store.operation_timeout, "heartbeat", write).await?;
+            Ok(match written {
+                Some(w) => Heartbeated::Pushed(Incarnation(w)),
+                None => Heartbeated::RowShows(current.map(Incarnation)),
+            })
         }
         .boxed()
     }

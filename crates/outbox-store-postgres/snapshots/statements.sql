@@ -329,9 +329,14 @@ WITH pushed AS (
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
                  )
-                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM pushed
+                 SELECT (extract(epoch from expiry) * 1000000)::int8, true FROM pushed
                  UNION ALL
-                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM inserted
+                 SELECT (extract(epoch from expiry) * 1000000)::int8, true FROM inserted
+                 UNION ALL
+                 SELECT (extract(epoch from expiry) * 1000000)::int8, false FROM "public"."outbox_nodes"
+                  WHERE id = $1
+                    AND NOT EXISTS (SELECT 1 FROM pushed)
+                    AND NOT EXISTS (SELECT 1 FROM inserted)
 
 -- public.outbox: remove_expired
 DELETE FROM "public"."outbox_nodes" WHERE expiry < (now() AT TIME ZONE 'UTC')
@@ -1071,9 +1076,14 @@ WITH pushed AS (
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
                  )
-                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM pushed
+                 SELECT (extract(epoch from expiry) * 1000000)::int8, true FROM pushed
                  UNION ALL
-                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM inserted
+                 SELECT (extract(epoch from expiry) * 1000000)::int8, true FROM inserted
+                 UNION ALL
+                 SELECT (extract(epoch from expiry) * 1000000)::int8, false FROM "app"."relay_nodes"
+                  WHERE id = $1
+                    AND NOT EXISTS (SELECT 1 FROM pushed)
+                    AND NOT EXISTS (SELECT 1 FROM inserted)
 
 -- app.events: remove_expired
 DELETE FROM "app"."relay_nodes" WHERE expiry < (now() AT TIME ZONE 'UTC')

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use outbox_core::store::{
-    Heartbeat, Incarnation, NodeRecord, NodeRegistry, PartitionRecord, PartitionRegistry,
-    Registration, StoreFuture,
+    Heartbeat, Heartbeated, Incarnation, NodeRecord, NodeRegistry, PartitionRecord,
+    PartitionRegistry, Registration, StoreFuture,
 };
 use outbox_core::{NodeId, StoreError, StoreErrorKind};
 
@@ -37,7 +37,7 @@ impl NodeRegistry for PgStore {
         .boxed()
     }
 
-    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Option<Incarnation>> {
+    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Heartbeated> {
         let Heartbeat { node, last, ttl } = beat;
         let inner = self.inner.clone();
         async move {
@@ -49,7 +49,10 @@ impl NodeRegistry for PgStore {
                 &[&node.0, &ttl, &last.0],
             )
             .await?;
-            Ok(rows.first().map(|r| Incarnation(r.get(0))))
+            Ok(match rows.first() {
+                Some(r) if r.get(1) => Heartbeated::Pushed(Incarnation(r.get(0))),
+                row => Heartbeated::RowShows(row.map(|r| Incarnation(r.get(0)))),
+            })
         }
         .boxed()
     }

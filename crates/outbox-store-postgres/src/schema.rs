@@ -1041,10 +1041,11 @@ impl Native {
 
     /// $1 node, $2 ttl in ms, $3 the expiry this process last wrote (microseconds,
     /// compared exactly: timestamps are integers of microseconds). The row is pushed
-    /// only while it shows our value, or inserted again if it is gone; no row back
-    /// means another process wrote it. "Gone" is the unique index's word, not the
-    /// snapshot's: a removal of the expired row that commits while the UPDATE waits
-    /// for its lock is still a row in this statement's snapshot.
+    /// only while it shows our value, or inserted again if it is gone; otherwise the
+    /// expiry it shows comes back, flagged false (none, if it changed after this
+    /// statement's snapshot). "Gone" is the unique index's word, not the snapshot's: a
+    /// removal of the expired row that commits while the UPDATE waits for its lock is
+    /// still a row in this statement's snapshot.
     fn heartbeat(&self) -> String {
         let nodes = &self.nodes;
         let (takes_column, takes_none, _) = self.takes_no_partitions();
@@ -1062,9 +1063,14 @@ impl Native {
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
                  )
-                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM pushed
+                 SELECT (extract(epoch from expiry) * 1000000)::int8, true FROM pushed
                  UNION ALL
-                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM inserted"
+                 SELECT (extract(epoch from expiry) * 1000000)::int8, true FROM inserted
+                 UNION ALL
+                 SELECT (extract(epoch from expiry) * 1000000)::int8, false FROM {nodes}
+                  WHERE id = $1
+                    AND NOT EXISTS (SELECT 1 FROM pushed)
+                    AND NOT EXISTS (SELECT 1 FROM inserted)"
         )
     }
 

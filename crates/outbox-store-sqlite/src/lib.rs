@@ -15,9 +15,9 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::event::headers_from_json_text;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, Heartbeat, Incarnation, LeaseExtension,
-    LeaseHolder, NodeRecord, NodeRegistry, NodeRow, OnChange, Problem, Registration, RetryLater,
-    StoreFuture, StoreResult,
+    Backlog, ClaimRequest, Claimed, DeadLetter, Heartbeat, Heartbeated, Incarnation,
+    LeaseExtension, LeaseHolder, NodeRecord, NodeRegistry, NodeRow, OnChange, Problem,
+    Registration, RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::{
     Event, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
@@ -1064,16 +1064,17 @@ impl NodeRegistry for SqliteStore {
         })
     }
 
-    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Option<Incarnation>> {
+    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Heartbeated> {
         let Heartbeat { node, last, ttl } = beat;
         self.in_tx("heartbeat", move |tx| {
             let now = now_ms();
-            if !NodeRow::may_heartbeat(node_row(tx, &node, now)?, last) {
-                return Ok(None);
+            let row = node_row(tx, &node, now)?;
+            if !NodeRow::may_heartbeat(row, last) {
+                return Ok(Heartbeated::RowShows(row.map(|r| r.expiry)));
             }
             let expiry = now + millis(ttl);
             set_node_expiry(tx, &node, expiry)?;
-            Ok(Some(Incarnation(expiry)))
+            Ok(Heartbeated::Pushed(Incarnation(expiry)))
         })
     }
 

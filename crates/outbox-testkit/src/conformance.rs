@@ -35,8 +35,9 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use outbox_core::store::{
     Backlog, ClaimRequest, Crowded, DeadLetter, DeadQuery, DeadRetried, DeadSelector, EventState,
-    Heartbeat, Incarnation, LeaseExtension, LeaseHolder, NodeRegistry, OnChange, Operations,
-    PartitionRegistry, Problem, Registration, ReplayPage, ReplaySelector, RetryLater, StoreFuture,
+    Heartbeat, Heartbeated, Incarnation, LeaseExtension, LeaseHolder, NodeRegistry, OnChange,
+    Operations, PartitionRegistry, Problem, Registration, ReplayPage, ReplaySelector, RetryLater,
+    StoreFuture,
 };
 use outbox_core::{
     Claimed, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId, StoreError,
@@ -746,9 +747,11 @@ pub async fn node_registry(h: &dyn Harness) {
         })
         .await
         .unwrap()
+        .pushed()
         .expect("a's own heartbeat lands");
     assert_ne!(a1, a2);
-    // A heartbeat conditioned on an expiry the row no longer shows is another process's.
+    // A heartbeat conditioned on an expiry the row no longer shows is refused, and told the
+    // expiry the row shows (the caller's to tell another process from a rolled-back row).
     assert_eq!(
         registry
             .heartbeat(Heartbeat {
@@ -758,7 +761,7 @@ pub async fn node_registry(h: &dyn Harness) {
             })
             .await
             .unwrap(),
-        None
+        Heartbeated::RowShows(Some(a2))
     );
     assert_eq!(
         live_ids(&*registry).await,
@@ -779,6 +782,7 @@ pub async fn node_registry(h: &dyn Harness) {
         })
         .await
         .unwrap()
+        .pushed()
         .is_some());
     // An expired row is taken over by a restarted process at once.
     let c = NodeId::random();

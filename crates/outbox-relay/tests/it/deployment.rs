@@ -31,6 +31,18 @@ fn migrate_with(url: &str, extra: &[&str]) {
 
 /// A relay named `node` (the process's own log name is `name`) publishing to `sink`.
 fn relay(dir: &Path, name: &str, url: &str, node: &str, sink: &Path) -> RelayProcess {
+    relay_expiring_after(dir, name, url, node, sink, "1500ms")
+}
+
+/// [`relay`] with its row's `heartbeat_timeout`.
+fn relay_expiring_after(
+    dir: &Path,
+    name: &str,
+    url: &str,
+    node: &str,
+    sink: &Path,
+    heartbeat_timeout: &str,
+) -> RelayProcess {
     let sink = format!("file:{}", sink.display());
     let args = [
         "run",
@@ -43,7 +55,7 @@ fn relay(dir: &Path, name: &str, url: &str, node: &str, sink: &Path) -> RelayPro
         "--heartbeat-interval",
         "200ms",
         "--heartbeat-timeout",
-        "1500ms",
+        heartbeat_timeout,
         "--poll-interval",
         "100ms",
         "--http-addr",
@@ -131,6 +143,61 @@ async fn registered(url: &str, node: &str, process: &RelayProcess) -> String {
         },
     )
     .await
+}
+
+/// A database restored from a snapshot (or failed over to a replica that lagged) shows the
+/// node's row as this process wrote it some heartbeats ago. Before, the relay took that for
+/// another process under its id and stopped (exit 2), and restarted, waited out the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_row_went_back_to_an_earlier_heartbeat_of_its_own_carries_on() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate(&url);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    // A long expiry: the earlier value is still live when written back, so that no removal
+    // of expired rows makes the row simply gone.
+    let relay = relay_expiring_after(dir.path(), "relay", &url, "same", &out, "60s");
+    let earlier = registered(&url, "same", &relay).await;
+    let client = pg(&url).await;
+    let a_later_heartbeat = || {
+        eventually_explained(
+            "a later heartbeat",
+            Duration::from_secs(30),
+            || relay.logs(),
+            || {
+                let (client, earlier) = (&client, &earlier);
+                async move {
+                    let expiry = "SELECT expiry::text FROM outbox_nodes WHERE id = 'same'";
+                    let now: String = client.query_one(expiry, &[]).await.unwrap().get(0);
+                    (now != *earlier).then_some(())
+                }
+            },
+        )
+    };
+    a_later_heartbeat().await;
+    // The restore, as far as the nodes table goes.
+    client
+        .execute(
+            "UPDATE outbox_nodes SET expiry = $1::text::timestamp WHERE id = 'same'",
+            &[&earlier],
+        )
+        .await
+        .unwrap();
+    relay
+        .wait_for_log(
+            "the relay to recognise its own earlier heartbeat",
+            Duration::from_secs(30),
+            "an earlier heartbeat of this process's",
+        )
+        .await;
+    send(&url, "k").await;
+    wait_for_lines("the relay to deliver", &out, Duration::from_secs(30), |n| {
+        n >= 1
+    })
+    .await;
+    // Heartbeats go on from the earlier value.
+    a_later_heartbeat().await;
+    assert!(relay.is_running(), "{}", relay.logs());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

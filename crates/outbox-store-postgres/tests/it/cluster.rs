@@ -839,7 +839,7 @@ impl outbox_core::store::NodeRegistry for FaultyNodesTable {
         beat: outbox_core::store::Heartbeat,
     ) -> futures::future::BoxFuture<
         'static,
-        outbox_core::store::StoreResult<Option<outbox_core::store::Incarnation>>,
+        outbox_core::store::StoreResult<outbox_core::store::Heartbeated>,
     > {
         use std::sync::atomic::Ordering::SeqCst;
         self.heartbeats.fetch_add(1, SeqCst);
@@ -848,7 +848,7 @@ impl outbox_core::store::NodeRegistry for FaultyNodesTable {
             return beat;
         }
         Box::pin(async move {
-            beat.await?.expect("the row was this process's");
+            beat.await?.pushed().expect("the row was this process's");
             Err(outbox_core::StoreError::new(
                 outbox_core::StoreErrorKind::Connection,
                 "connection lost before the answer",
@@ -1071,7 +1071,7 @@ async fn race_a_heartbeat_waiting_on_the_removal_of_its_expired_row_registers_it
 
     let beat = heartbeat.await.unwrap().unwrap();
     assert!(
-        beat.is_some(),
+        beat.pushed().is_some(),
         "a heartbeat that finds its row removed registers it again; none came back, which \
          the node takes for another process under its id"
     );
@@ -1200,7 +1200,10 @@ async fn heartbeats_go_on_while_a_lock_on_the_outbox_holds_every_claim() {
     for claim in claims {
         claim.await.unwrap().unwrap();
     }
-    assert!(beat.unwrap().is_some(), "the heartbeat went through");
+    assert!(
+        beat.unwrap().pushed().is_some(),
+        "the heartbeat went through"
+    );
 }
 
 /// The real partitions table, with faults: the answer of one acquire that took
