@@ -331,6 +331,19 @@ impl Running {
                 StartedCapture::Wal(wal) => wal.dead_lettered_by_capture(),
                 StartedCapture::Binlog(binlog) => binlog.dead_lettered_by_capture(),
             };
+            // A standby's drain read nothing of the log: its count of rows left would say
+            // only "leased by another node".
+            if let (Some(DrainEnd::Left(_)), StartedCapture::Binlog(binlog)) =
+                (&summary.drain, capture)
+            {
+                if let outbox_binlog::CaptureStatus::Standby { holder } = binlog.status() {
+                    summary.drain = Some(DrainEnd::Unvouched(format!(
+                        "another relay ({holder}) reads this outbox's binary log, so this \
+                         drain read none of it; stop that relay to drain here, or leave the \
+                         draining to it"
+                    )));
+                }
+            }
             // Nor over rows of the table the slot's stream will never bring.
             if let (Some(DrainEnd::Clean { .. }), StartedCapture::Wal(wal)) =
                 (&summary.drain, capture)

@@ -718,12 +718,18 @@ async fn a_row_the_log_never_carries_shows_in_the_backlog() {
 }
 
 /// A drain started beside a running relay waits as its standby and delivers nothing: it
-/// says why at once (its exit said only how many rows were left, "leased by another node").
+/// says why at once, and its exit says so again. Before, the exit said only that a row was
+/// left, "leased by another node, or scheduled for later", a row it made up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_beside_a_running_relay_says_it_waits_as_its_standby() {
     let db = BinlogDb::new().await;
     let mut active = db.reading("relay-1", "out-1.jsonl").await;
-    let mut drain = db.spawn("relay-2", "out-2.jsonl", &["--drain"]);
+    // A short lease: the drain's patience under capture.
+    let mut drain = db.spawn(
+        "relay-2",
+        "out-2.jsonl",
+        &["--drain", "--lease", "3s", "--publish-timeout", "2s"],
+    );
     drain
         .wait_for_log(
             "the drain saying it waits as a standby",
@@ -731,7 +737,11 @@ async fn a_drain_beside_a_running_relay_says_it_waits_as_its_standby() {
             "this drain delivers nothing unless that relay stops",
         )
         .await;
-    drain.kill9();
+    let status = drain.wait_exit_within(Duration::from_secs(60)).await;
+    let logs = drain.logs();
+    assert_eq!(status.code(), Some(1), "{logs}");
+    assert!(logs.contains("so this drain read none of it"), "{logs}");
+    assert!(!logs.contains("more pending"), "{logs}");
     assert!(active.terminate().await.success(), "{}", active.logs());
 }
 
