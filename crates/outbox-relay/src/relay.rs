@@ -331,16 +331,24 @@ impl Running {
                 StartedCapture::Wal(wal) => wal.dead_lettered_by_capture(),
                 StartedCapture::Binlog(binlog) => binlog.dead_lettered_by_capture(),
             };
-            // A standby's drain read nothing of the log: its count of rows left would say
+            // A standby's drain read nothing of the stream: its count of rows left would say
             // only "leased by another node".
-            if let (Some(DrainEnd::Left(_)), StartedCapture::Binlog(binlog)) =
-                (&summary.drain, capture)
-            {
-                if let outbox_binlog::CaptureStatus::Standby { holder } = binlog.status() {
+            if let Some(DrainEnd::Left(_)) = &summary.drain {
+                let standby = match capture {
+                    StartedCapture::Wal(wal) => (wal.status()
+                        == outbox_wal::CaptureStatus::Standby)
+                        .then(|| "another relay streams from this outbox's slot".to_string()),
+                    StartedCapture::Binlog(binlog) => match binlog.status() {
+                        outbox_binlog::CaptureStatus::Standby { holder } => Some(format!(
+                            "another relay ({holder}) reads this outbox's binary log"
+                        )),
+                        _ => None,
+                    },
+                };
+                if let Some(standby) = standby {
                     summary.drain = Some(DrainEnd::Unvouched(format!(
-                        "another relay ({holder}) reads this outbox's binary log, so this \
-                         drain read none of it; stop that relay to drain here, or leave the \
-                         draining to it"
+                        "{standby}, so this drain read none of it; stop that relay to drain \
+                         here, or leave the draining to it"
                     )));
                 }
             }

@@ -529,6 +529,36 @@ fn file_deliveries(path: &Path) -> Vec<Delivery> {
 
 // ---- 1. Both forms, drained ----
 
+/// A drain started beside a streaming relay waits as its standby and delivers nothing: it
+/// says why at once, and its exit says so again. Before, it said it at INFO only, and its
+/// exit that a row was left, "leased by another node, or scheduled for later".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_beside_a_streaming_relay_says_it_waits_as_its_standby() {
+    let w = WalDb::new().await;
+    let dir = w.dir.path().to_path_buf();
+    let active = w.spawn("relay-a", &dir.join("a.jsonl"), &[]);
+    active
+        .wait_for_log("relay a streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    // A short lease: the drain's patience under capture.
+    let drain_flags = ["--drain", "--lease", "3s", "--publish-timeout", "2s"];
+    let mut drain = w.spawn("drain", &dir.join("drain.jsonl"), &drain_flags);
+    drain
+        .wait_for_log(
+            "the drain saying it waits as a standby",
+            Duration::from_secs(30),
+            "this drain delivers nothing unless that relay stops",
+        )
+        .await;
+    let status = drain.wait_exit_within(Duration::from_secs(60)).await;
+    let logs = drain.logs();
+    assert_eq!(status.code(), Some(1), "{logs}");
+    assert!(logs.contains("so this drain read none of it"), "{logs}");
+    assert!(!logs.contains("more pending"), "{logs}");
+    let mut active = active;
+    assert!(active.terminate().await.success(), "{}", active.logs());
+}
+
 #[tokio::test]
 async fn both_forms_are_drained_in_commit_order_without_rolled_back_events() {
     let w = WalDb::new().await;

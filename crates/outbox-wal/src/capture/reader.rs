@@ -249,7 +249,12 @@ impl Reader {
                         ))
                     } else {
                         if *self.status.borrow() != CaptureStatus::Standby {
-                            tracing::info!(slot = %config.slot, "another relay streams from the slot; waiting as a standby");
+                            if self.drain {
+                                // Its count of rows left, at the end, would not say why.
+                                tracing::warn!(slot = %config.slot, "waiting as a standby: another relay streams from the slot, so this drain delivers nothing unless that relay stops; stop it to drain here, or leave the draining to it");
+                            } else {
+                                tracing::info!(slot = %config.slot, "another relay streams from the slot; waiting as a standby");
+                            }
                         }
                         self.set_status(CaptureStatus::Standby);
                         if !self.stand_by_while_a_relay_streams().await {
