@@ -704,10 +704,12 @@ async fn earlier_emit(
     }
     Ok(vec![Problem::degraded(
         format!(
-            "{} is not this version's: an earlier version made it (or it was changed by hand),              and it accepts events while no slot of the database streams, which are lost",
+            "{} is not this version's: an earlier version made it (or it was changed by hand), \
+             and it accepts events while no slot of the database streams, which are lost",
             crate::emit::emit_function(&tables.outbox)
         ),
-        "run `outbox-relay migrate --capture wal` with this version (it replaces the          function, keeping SECURITY DEFINER where it was set)",
+        "run `outbox-relay migrate --capture wal` with this version (it replaces the \
+         function, keeping SECURITY DEFINER where it was set)",
     )])
 }
 
