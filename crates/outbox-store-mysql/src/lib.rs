@@ -240,7 +240,11 @@ fn bind(params: Params) -> mysql_async::Params {
 /// in another form) would be marked, acked and dead-lettered as a row that is not there:
 /// the row would come back for ever, and rows read alike would go out as one event.
 fn read_id(row: &Row, mapping: &Mapping) -> StoreResult<RowId> {
-    let id_text = text(col(row, 0)).unwrap_or_default();
+    parse_row_id(&text(col(row, 0)).unwrap_or_default(), mapping)
+}
+
+/// A row id as the statements read it back, as text.
+fn parse_row_id(id_text: &str, mapping: &Mapping) -> StoreResult<RowId> {
     match mapping.id_type {
         IdType::Integer => id_text.parse().ok().map(RowId::Integer),
         // Only the hyphenated form: the statements name ids in it, and 32 bare digits
@@ -250,7 +254,7 @@ fn read_id(row: &Row, mapping: &Mapping) -> StoreResult<RowId> {
             .filter(|_| id_text.len() == 36)
             .map(RowId::Uuid),
     }
-    .ok_or_else(|| unreadable_id(mapping, &id_text))
+    .ok_or_else(|| unreadable_id(mapping, id_text))
 }
 
 /// How to map an id column the relay can read back as the mapping's id type.
@@ -940,33 +944,73 @@ impl MySql {
         }
     }
 
-    /// One transaction: the rows are selected and locked, then marked by id; rows behind
-    /// an earlier row of their key that another transaction holds are left out
+    /// One transaction: the claimable rows are read without locks, then those rows alone
+    /// locked (skipping rows other transactions hold) and marked by id; rows behind an
+    /// earlier row of their key that another transaction holds are left out
     /// ([`not_behind_locked_rows`]).
+    ///
+    /// Not one locking read over the condition: InnoDB locks every row such a read passes,
+    /// and MariaDB kept the locks of the rows the condition then refused (rows scheduled
+    /// for later, or waiting out a retry) until the commit. 300,000 scheduled rows cost
+    /// 600,000 locks a claim; the application's updates of them waited on the relay, its
+    /// inserts failed once the locks filled the buffer pool, and the server aborted.
     async fn claim_once(&self, sql: &Sql, claim: Claim) -> StoreResult<Vec<Row>> {
         let mut unlocked = claim.params.clone();
         let order = sql.claim_order(&claim.condition, &unlocked.int(claim.limit));
-        let mut params = claim.params;
-        let select = sql.claim_select(&claim.condition, &params.int(claim.limit), true);
         let mut conn = self.conn("claim").await?;
         let mut tx = conn
             .start_transaction(mysql_async::TxOpts::default())
             .await
             .map_err(|e| db_error("claim", e))?;
-        let mut update = params.after();
-        let mut rows: Vec<Row> = tx
-            .exec(&select, bind(params))
+        let in_order: Vec<(Value, Option<String>)> = tx
+            .exec(&order, bind(unlocked))
             .await
             .map_err(|e| db_error("claim", e))?;
-        if !rows.is_empty() {
-            // A plain read: it waits for no lock, and sees the rows SKIP LOCKED passed.
-            let in_order: Vec<(Value, Option<String>)> = tx
-                .exec(&order, bind(unlocked))
+        // A row whose id cannot be read is locked by the condition alone: the store sets it
+        // aside once claimed, as before.
+        let unreadable = in_order
+            .iter()
+            .any(|(id, _)| parse_row_id(&text(id).unwrap_or_default(), &sql.mapping).is_err());
+        let mut rows: Vec<Row> = Vec::new();
+        if !in_order.is_empty() {
+            let mut params = claim.params;
+            let limit = params.int(claim.limit);
+            let condition = if unreadable {
+                claim.condition.clone()
+            } else {
+                let found: Vec<RowId> = in_order
+                    .iter()
+                    .filter_map(|(id, _)| {
+                        parse_row_id(&text(id).unwrap_or_default(), &sql.mapping).ok()
+                    })
+                    .collect();
+                let membership = params.in_ids(&found, sql.mapping.id_type);
+                format!("({}) AND {} {membership}", claim.condition, sql.id_column())
+            };
+            let select = sql.claim_select(&condition, &limit, true);
+            let update = params.after();
+            rows = tx
+                .exec(&select, bind(params))
                 .await
                 .map_err(|e| db_error("claim", e))?;
             rows = not_behind_locked_rows(rows, &in_order);
+            self.mark_claimed(sql, &mut tx, update, claim.mark, &rows)
+                .await?;
         }
-        if let (Some((node, lease)), false) = (claim.mark, rows.is_empty()) {
+        tx.commit().await.map_err(|e| db_error("claim", e))?;
+        Ok(rows)
+    }
+
+    /// Marks the claimed `rows` with the node and its lease, in the claim's transaction.
+    async fn mark_claimed(
+        &self,
+        sql: &Sql,
+        tx: &mut mysql_async::Transaction<'_>,
+        mut update: Params,
+        mark: Option<(String, i64)>,
+        rows: &[Row],
+    ) -> StoreResult<()> {
+        if let (Some((node, lease)), false) = (mark, rows.is_empty()) {
             let set = sql.claim_set(&update.text(node), &update.int(lease));
             // A row whose id cannot be read back is set aside by the store, unmarked.
             let ids: Vec<RowId> = rows
@@ -981,8 +1025,7 @@ impl MySql {
                     .map_err(|e| db_error("claim", e))?;
             }
         }
-        tx.commit().await.map_err(|e| db_error("claim", e))?;
-        Ok(rows)
+        Ok(())
     }
 }
 

@@ -3,6 +3,7 @@
 //! `cargo nextest run -p outbox-store-mysql -E 'binary(it) & test(/^MODULE::/)'`.
 
 mod active_relay;
+mod claims;
 mod conformance;
 mod deployment;
 mod session;
