@@ -249,7 +249,7 @@ fn parse_row_id(id_text: &str, mapping: &Mapping) -> StoreResult<RowId> {
         IdType::Integer => id_text.parse().ok().map(RowId::Integer),
         // Only the hyphenated form: the statements name ids in it, and 32 bare digits
         // would parse but match no row.
-        IdType::Uuid => uuid::Uuid::try_parse(&id_text)
+        IdType::Uuid => uuid::Uuid::try_parse(id_text)
             .ok()
             .filter(|_| id_text.len() == 36)
             .map(RowId::Uuid),
