@@ -367,6 +367,8 @@ start_mariadb() {
   fi
   log "mariadb ready on 127.0.0.1:$MARIADB_PORT"
   echo "export OUTBOX_TEST_MYSQL_URL=mysql://root@127.0.0.1:$MARIADB_PORT/mysql"
+  # Its error log, for tests of what the server logs about the relay's sessions.
+  echo "export OUTBOX_TEST_MARIADB_LOG=$dir/mysqld.log"
 }
 
 stop_mariadb() {
