@@ -217,6 +217,25 @@ pub fn user_info_end(after_scheme: &str) -> Option<usize> {
     Some(end)
 }
 
+/// Where a URL's query begins (the index of its `?`), past its credentials: a password may
+/// hold an unescaped `?`, which tokio-postgres reads as the password's. Split at the first
+/// `?`, `postgres://u:Pw?x@h/db?sslmode=require` lost its `sslmode`, and the relay connected
+/// without TLS while `check` said ok.
+pub fn query_start(url: &str) -> Option<usize> {
+    let after_scheme = url.find("://").map_or(0, |i| i + 3);
+    let rest = &url[after_scheme..];
+    let from = user_info_end(rest).map_or(0, |at| at + 1);
+    rest[from..].find('?').map(|i| after_scheme + from + i)
+}
+
+/// A URL query parameter's name or value as the database clients read it: percent-decoded
+/// (`p%61ssword` is `password` to tokio-postgres).
+pub fn url_decoded(raw: &str) -> String {
+    percent_encoding::percent_decode_str(raw)
+        .decode_utf8_lossy()
+        .into_owned()
+}
+
 /// Whether the URL `url` (a setting's value, not free text) holds whitespace before its last
 /// `@`: a password with an unescaped space, which clients connect with but [`redact_url`]
 /// cannot tell from the end of a URL in a message (so it would show it). Settings refuse
@@ -294,7 +313,8 @@ fn redact_parameters(text: &str) -> String {
         let name_start = rest[..eq]
             .rfind(|c: char| matches!(c, '?' | '&' | ';') || ends_url(c))
             .map_or(0, |i| i + 1);
-        let name = rest[name_start..eq].to_ascii_lowercase();
+        // Decoded, as the client reads it: `p%61ssword=` is a password.
+        let name = url_decoded(&rest[name_start..eq]).to_ascii_lowercase();
         let in_query = matches!(rest[..name_start].chars().last(), Some('?' | '&'));
         out.push_str(&rest[..=eq]);
         rest = &rest[eq + 1..];
@@ -337,6 +357,15 @@ fn redact_parameters(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::redact_url;
+
+    /// tokio-postgres decodes a parameter's name: `p%61ssword=` sets the password, so it is
+    /// redacted as one.
+    #[test]
+    fn a_percent_encoded_password_parameter_is_redacted() {
+        let shown = redact_url("postgres://relay@h/db?p%61ssword=SECRETA1&application_name=a");
+        assert!(!shown.contains("SECRETA1"), "{shown}");
+        assert!(shown.contains("application_name=a"), "{shown}");
+    }
 
     /// tokio-postgres reads `?password=` up to the next `&`, so a `;`, `#`, quote or `<` is
     /// part of the password; the redactor ended the value there and showed the rest (or,

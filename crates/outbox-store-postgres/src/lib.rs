@@ -128,10 +128,10 @@ const DDL_LOCK_HINT: &str = "migrate waited 5 s for a lock on a table the applic
 
 /// Whether the URL's query sets `key`.
 fn url_sets(url: &str, key: &str) -> bool {
-    url.split_once('?').is_some_and(|(_, query)| {
-        query
-            .split('&')
-            .any(|pair| pair.split('=').next() == Some(key))
+    outbox_core::redact::query_start(url).is_some_and(|start| {
+        url[start + 1..].split('&').any(|pair| {
+            outbox_core::redact::url_decoded(pair.split('=').next().unwrap_or("")) == key
+        })
     })
 }
 

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
 
+use outbox_core::redact::{query_start, url_decoded};
 use outbox_core::{StoreError, StoreErrorKind};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
@@ -118,14 +119,17 @@ fn sslmode_of(sslmode: Option<&str>, has_ca_file: bool) -> Result<(TlsUse, Verif
 /// Removes `sslmode` and `sslrootcert` from a URL's query, returning them (for other
 /// clients of the same URL, such as WAL capture's replication connection).
 pub fn split_tls_params(url: &str) -> (String, Option<String>, Option<PathBuf>) {
-    let Some((base, query)) = url.split_once('?') else {
+    let Some(start) = query_start(url) else {
         return (url.to_string(), None, None);
     };
+    let (base, query) = (&url[..start], &url[start + 1..]);
     let (mut sslmode, mut rootcert, mut kept) = (None, None, Vec::new());
     for pair in query.split('&').filter(|p| !p.is_empty()) {
-        match pair.split_once('=') {
-            Some(("sslmode", v)) => sslmode = Some(v.to_string()),
-            Some(("sslrootcert", v)) => rootcert = Some(PathBuf::from(v)),
+        // Names and values as tokio-postgres reads them: percent-decoded.
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        match url_decoded(name).as_str() {
+            "sslmode" => sslmode = Some(url_decoded(value)),
+            "sslrootcert" => rootcert = Some(PathBuf::from(url_decoded(value))),
             _ => kept.push(pair),
         }
     }
@@ -138,7 +142,7 @@ pub fn split_tls_params(url: &str) -> (String, Option<String>, Option<PathBuf>) 
 }
 
 fn with_param(url: &str, key: &str, value: &str) -> String {
-    let sep = if url.contains('?') { '&' } else { '?' };
+    let sep = if query_start(url).is_some() { '&' } else { '?' };
     format!("{url}{sep}{key}={value}")
 }
 
@@ -262,6 +266,27 @@ impl ServerCertVerifier for Lenient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A password's unescaped `?` is the password's, not the query's start; names and values
+    /// are read percent-decoded, as tokio-postgres reads them.
+    #[test]
+    fn the_query_starts_past_the_credentials() {
+        let (url, sslmode, _) = split_tls_params("postgres://u:Pw?x@h:5432/db?sslmode=require");
+        assert_eq!(
+            (url.as_str(), sslmode.as_deref()),
+            ("postgres://u:Pw?x@h:5432/db", Some("require"))
+        );
+        let (url, sslmode, rootcert) = split_tls_params(
+            "postgres://u:p@h/db?ssl%6Dode=verify%2Dfull&application_name=a&sslrootcert=%2Fca.pem",
+        );
+        assert_eq!(url, "postgres://u:p@h/db?application_name=a");
+        assert_eq!(sslmode.as_deref(), Some("verify-full"));
+        assert_eq!(rootcert, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(
+            with_param("postgres://u:Pw?x@h/db", "sslmode", "prefer"),
+            "postgres://u:Pw?x@h/db?sslmode=prefer"
+        );
+    }
 
     #[test]
     fn libpq_tls_parameters_are_taken_out_of_the_url() {

@@ -813,6 +813,35 @@ async fn database_tls_is_verified_against_the_configured_ca() {
     assert!(relay.terminate().await.success());
 }
 
+/// A password holding an unescaped `?` (tokio-postgres reads it as the password's): the
+/// relay split the URL at that `?`, lost the real query's `sslmode`, and connected as
+/// `prefer`, in plaintext to a server that declines TLS, while `check` said ok. Here
+/// `verify-full` must check the certificate: refused without the CA, accepted with it.
+/// (Before, both ended in "invalid value for option sslmode".) The test server trusts
+/// local connections, so the password is never checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sslmode_of_a_url_whose_password_holds_a_question_mark_is_kept() {
+    let url = fresh_pg_database().await;
+    let ca = std::env::var("OUTBOX_TEST_PG_CA").expect("OUTBOX_TEST_PG_CA from scripts/servers.sh");
+    assert!(relay_cmd(&url, &["migrate"]).status.success());
+    let with_password = url.replacen("postgres@", "postgres:Pw?x12@", 1);
+    assert_ne!(with_password, url, "the test URL names the postgres user");
+    let tls_url = format!("{with_password}?sslmode=verify-full");
+    let untrusted = relay_cmd(&tls_url, &["check"]);
+    let text = String::from_utf8_lossy(&untrusted.stdout).to_string()
+        + &String::from_utf8_lossy(&untrusted.stderr);
+    assert!(!untrusted.status.success(), "{text}");
+    assert!(text.to_lowercase().contains("certificate"), "{text}");
+    let trusted = relay_cmd(&tls_url, &["check", "--database-ca-file", &ca]);
+    let text = String::from_utf8_lossy(&trusted.stdout).to_string()
+        + &String::from_utf8_lossy(&trusted.stderr);
+    assert!(trusted.status.success(), "{text}");
+    assert!(
+        !text.contains("Pw?x12"),
+        "the password is not shown: {text}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_restart_mid_run_loses_nothing() {
     // A server of this test's own, so restarting it disturbs no other test.
