@@ -346,8 +346,13 @@ fn bytes(v: &Value) -> Option<Vec<u8>> {
 }
 
 impl MySql {
+    /// A pooled connection, bounded by the operation timeout: a server that accepts and
+    /// never answers held `migrate` (whose statements are not bounded) for good.
     async fn conn(&self, context: &str) -> StoreResult<Conn> {
-        self.pool.get_conn().await.map_err(|e| db_error(context, e))
+        bounded(self.operation_timeout, context, async {
+            self.pool.get_conn().await.map_err(|e| db_error(context, e))
+        })
+        .await
     }
 
     /// A `GET_LOCK` name: server-wide, so the database is named too; at most 64 characters.

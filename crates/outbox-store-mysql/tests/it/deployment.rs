@@ -336,3 +336,27 @@ async fn verify_names_a_write_the_role_may_not_make() {
         .await
         .unwrap();
 }
+
+/// `migrate` against a server that accepts connections and never answers (a host behind a
+/// firewall that drops, a hung server): taking its connection waited for good, so a
+/// Kubernetes migrate Job stalled without a word. The DDL may run long; reaching the server
+/// is bounded as every other operation is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_against_a_server_that_never_answers_gives_up() {
+    use outbox_core::OutboxStore;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let (proxy, proxied) = FaultProxy::start_for_url(&url).await.unwrap();
+    proxy.blackhole();
+    let store: MySqlStore = native_store(&proxied, Some(Duration::from_secs(1)));
+    // Only a guard against hanging forever.
+    let outcome = tokio::time::timeout(Duration::from_secs(60), store.migrate())
+        .await
+        .expect("migrate must give up by itself");
+    let error = outcome.expect_err("nothing can be migrated through a blackhole");
+    assert_eq!(
+        error.kind(),
+        outbox_core::StoreErrorKind::Connection,
+        "{}",
+        error.report()
+    );
+}
