@@ -343,7 +343,6 @@ async fn verify_names_a_write_the_role_may_not_make() {
 /// is bounded as every other operation is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_against_a_server_that_never_answers_gives_up() {
-    use outbox_core::OutboxStore;
     let url = outbox_testkit::fresh_mysql_database().await;
     let (proxy, proxied) = FaultProxy::start_for_url(&url).await.unwrap();
     proxy.blackhole();
