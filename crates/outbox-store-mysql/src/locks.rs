@@ -21,16 +21,22 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts, Row};
 use outbox_core::store::{LockHolders, StoreResult};
 
-/// Sessions whose InnoDB transactions hold rows a session of the relay's user waits for.
+/// Sessions whose InnoDB transactions hold rows of the outbox's tables (`?`: the prefix
+/// `` `db`.`outbox `` that `INNODB_LOCKS` names them by, covering its parked, nodes and
+/// dead-letter tables) that a session of the relay's user waits for. Not every wait of the
+/// user: an application sharing it waited on its own tables, and `/readyz` told the
+/// operator to end the application's transaction.
 const ROW_LOCK_HOLDERS: &str = "
 SELECT DISTINCT b.trx_mysql_thread_id, p.USER, p.HOST, p.COMMAND, p.STATE,
        TIMESTAMPDIFF(SECOND, b.trx_started, NOW()), LEFT(COALESCE(b.trx_query, p.INFO), 200)
   FROM information_schema.INNODB_LOCK_WAITS w
+  JOIN information_schema.INNODB_LOCKS l ON l.lock_id = w.requested_lock_id
   JOIN information_schema.INNODB_TRX r ON r.trx_id = w.requesting_trx_id
   JOIN information_schema.INNODB_TRX b ON b.trx_id = w.blocking_trx_id
   JOIN information_schema.PROCESSLIST waiting ON waiting.ID = r.trx_mysql_thread_id
   LEFT JOIN information_schema.PROCESSLIST p ON p.ID = b.trx_mysql_thread_id
  WHERE waiting.USER = SUBSTRING_INDEX(USER(), '@', 1)
+   AND LEFT(l.lock_table, CHAR_LENGTH(?)) = ?
  ORDER BY 1";
 
 /// How many of the relay's user's sessions wait for a metadata lock.
@@ -90,7 +96,19 @@ async fn holders(
     table: String,
 ) -> Result<Vec<String>, mysql_async::Error> {
     let mut said = Vec::new();
-    match conn.query::<Row, _>(ROW_LOCK_HOLDERS).await {
+    let database: Option<String> = match &schema {
+        Some(schema) => Some(schema.clone()),
+        None => conn.query_first("SELECT DATABASE()").await?,
+    };
+    let tables = format!(
+        "`{}`.`{}",
+        database.unwrap_or_default().replace('`', "``"),
+        table.replace('`', "``")
+    );
+    match conn
+        .exec::<Row, _, _>(ROW_LOCK_HOLDERS, (&tables, &tables))
+        .await
+    {
         Ok(rows) => said.extend(rows.iter().map(|row| session_line(row, "in a transaction"))),
         Err(e) if server_code(&e) == Some(NEEDS_PROCESS) => {
             said.push(PROCESS_HIDDEN.to_string());

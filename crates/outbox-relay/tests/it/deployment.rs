@@ -1093,6 +1093,29 @@ async fn readyz_names_the_mariadb_session_holding_the_lock_the_relay_waits_for()
         .await
         .unwrap();
     let (_dir, mut node, addr) = a_ready_relay_polling(&url).await;
+    // The application's own lock wait, on a table of its own, as the same user: none of the
+    // relay's business. Before, `/readyz` told the operator to KILL its holder.
+    admin
+        .query_drop(
+            "CREATE TABLE accounts (id int PRIMARY KEY, n int); INSERT INTO accounts VALUES (1, 0)",
+        )
+        .await
+        .unwrap();
+    let mut holder = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    holder
+        .query_drop("BEGIN; UPDATE accounts SET n = n + 1 WHERE id = 1")
+        .await
+        .unwrap();
+    let unrelated = holder.id();
+    let waiter = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let mut waiter = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+            waiter
+                .query_drop("SET SESSION innodb_lock_wait_timeout = 300; UPDATE accounts SET n = n + 1 WHERE id = 1")
+                .await
+        }
+    });
     let mut locker = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
     locker.query_drop("LOCK TABLES outbox WRITE").await.unwrap();
     let id = locker.id();
@@ -1118,6 +1141,12 @@ async fn readyz_names_the_mariadb_session_holding_the_lock_the_relay_waits_for()
     )
     .await;
     assert!(!said.contains("metadata_lock_info"), "{said}");
+    assert!(
+        !said.contains(&format!("connection {unrelated} ")),
+        "{said}"
+    );
+    holder.query_drop("ROLLBACK").await.unwrap();
+    waiter.await.unwrap().unwrap();
     locker.query_drop("UNLOCK TABLES").await.unwrap();
     crate::support::readyz(&node, &addr, 200, "", Duration::from_secs(60)).await;
     admin
