@@ -297,7 +297,10 @@ UPDATE "public"."outbox" SET locked_until = now() + $3::int8 * interval '1 milli
 -- public.outbox: backlog
 SELECT count(*)::int8,
                         count(*) FILTER (WHERE attempts > 0)::int8,
-                        (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                        (extract(epoch from now() - min(CASE
+        WHEN attempts > 0 THEN created_at
+        WHEN available_at <= now() THEN greatest(created_at, available_at)
+    END) FILTER (WHERE isfinite(created_at))) * 1000)::int8
                    FROM "public"."outbox" WHERE delivered_at IS NULL
 
 -- public.outbox: dead_count
@@ -476,7 +479,10 @@ DELETE FROM "public"."outbox_dead_letters" WHERE $1::bool
 
 -- public.outbox: stats_pending
 SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
-                            (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                            (extract(epoch from now() - min(CASE
+        WHEN attempts > 0 THEN created_at
+        WHEN available_at <= now() THEN greatest(created_at, available_at)
+    END) FILTER (WHERE isfinite(created_at))) * 1000)::int8
                        FROM "public"."outbox" WHERE delivered_at IS NULL GROUP BY destination
 
 -- public.outbox: stats_dead
@@ -1044,7 +1050,10 @@ UPDATE "app"."events" SET locked_until = now() + $3::int8 * interval '1 millisec
 -- app.events: backlog
 SELECT count(*)::int8,
                         count(*) FILTER (WHERE attempts > 0)::int8,
-                        (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                        (extract(epoch from now() - min(CASE
+        WHEN attempts > 0 THEN created_at
+        WHEN available_at <= now() THEN greatest(created_at, available_at)
+    END) FILTER (WHERE isfinite(created_at))) * 1000)::int8
                    FROM "app"."events" WHERE delivered_at IS NULL
 
 -- app.events: dead_count
@@ -1223,7 +1232,10 @@ DELETE FROM "app"."events_dead_letters" WHERE $1::bool
 
 -- app.events: stats_pending
 SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
-                            (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                            (extract(epoch from now() - min(CASE
+        WHEN attempts > 0 THEN created_at
+        WHEN available_at <= now() THEN greatest(created_at, available_at)
+    END) FILTER (WHERE isfinite(created_at))) * 1000)::int8
                        FROM "app"."events" WHERE delivered_at IS NULL GROUP BY destination
 
 -- app.events: stats_dead

@@ -5,6 +5,15 @@ use outbox_core::migration::{Lock, Run, Step, Steps};
 use outbox_core::store::DeadSelector;
 use outbox_core::StoreError;
 
+/// How long the oldest pending row has waited to go out, in ms: a row that failed since its
+/// creation; one never tried since it became due, and not at all while it is scheduled for
+/// later. From `created_at` alone, an event scheduled for tomorrow aged the backlog from its
+/// insert, and the oldest-pending alert fired on it.
+const WAITING_FOR_MS: &str = "(extract(epoch from now() - min(CASE
+        WHEN attempts > 0 THEN created_at
+        WHEN available_at <= now() THEN greatest(created_at, available_at)
+    END) FILTER (WHERE isfinite(created_at))) * 1000)::int8";
+
 /// The blocking index's name after the outbox's. It differs from the obsolete one right after
 /// the table name, so that PostgreSQL's shortening of long names (63 bytes) cannot make them
 /// one name.
@@ -1014,7 +1023,7 @@ impl Native {
         format!(
             "SELECT count(*)::int8,
                         count(*) FILTER (WHERE attempts > 0)::int8,
-                        (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                        {WAITING_FOR_MS}
                    FROM {t} WHERE delivered_at IS NULL"
         )
     }
@@ -1304,7 +1313,7 @@ impl Native {
         OperatorStatements {
             stats_pending: format!(
                 "SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
-                            (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                            {WAITING_FOR_MS}
                        FROM {t} WHERE delivered_at IS NULL GROUP BY destination"
             ),
             stats_dead: format!("SELECT destination, count(*)::int8 FROM {dl} GROUP BY destination"),

@@ -79,6 +79,16 @@ CREATE TABLE IF NOT EXISTS outbox_nodes (
 );
 "#;
 
+/// Since when the oldest pending row has waited to go out, in ms (`?1` now): a row that
+/// failed since its creation; one never tried since it became due, and not at all while it
+/// is scheduled for later. From `created_at` alone, an event scheduled for tomorrow aged the
+/// backlog from its insert, and the oldest-pending alert fired on it.
+pub(crate) const WAITING_SINCE: &str = "min(CASE
+        WHEN typeof(created_at) <> 'integer' THEN NULL
+        WHEN attempts > 0 OR typeof(available_at) <> 'integer' THEN created_at
+        WHEN available_at <= ?1 THEN max(created_at, available_at)
+    END)";
+
 /// The rows a claim may take: pending, due, unleased (`?2` is now), and those `$blocking` (a
 /// condition on `o`, with `?1` the node) lets through. A text or blob `available_at` is
 /// claimed to be dead-lettered, saying why; a NULL one (a table made without the NOT NULL)
@@ -821,10 +831,11 @@ impl OutboxStore for SqliteStore {
         self.with_conn(|conn| {
             let (pending, retrying, oldest): (i64, i64, Option<i64>) = conn
                 .query_row(
-                    "SELECT count(*), count(*) FILTER (WHERE attempts > 0),
-                            min(CASE typeof(created_at) WHEN 'integer' THEN created_at END)
-                       FROM outbox WHERE delivered_at IS NULL",
-                    [],
+                    &format!(
+                        "SELECT count(*), count(*) FILTER (WHERE attempts > 0), {WAITING_SINCE}
+                           FROM outbox WHERE delivered_at IS NULL"
+                    ),
+                    [now_ms()],
                     |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
                 )
                 .map_err(|e| sql_error("backlog", e))?;

@@ -55,14 +55,15 @@ impl Operations for SqliteStore {
             let mut by: BTreeMap<String, DestinationStats> = BTreeMap::new();
             let now = now_ms();
             let mut stmt = conn
-                .prepare(
+                .prepare(&format!(
                     "SELECT destination, count(*), count(*) FILTER (WHERE attempts > 0),
-                            min(CASE typeof(created_at) WHEN 'integer' THEN created_at END)
+                            {}
                        FROM outbox WHERE delivered_at IS NULL GROUP BY destination",
-                )
+                    crate::WAITING_SINCE
+                ))
                 .map_err(|e| sql_error("stats", e))?;
             let rows = stmt
-                .query_map([], |r| {
+                .query_map([now], |r| {
                     Ok((
                         text(r, 0),
                         r.get::<_, i64>(1)?,

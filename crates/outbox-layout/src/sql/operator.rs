@@ -21,19 +21,40 @@ impl Sql {
             (None, Dialect::Postgres) => "false".into(),
             (None, Dialect::MySql) => "1 = 0".into(),
         };
-        let age = match self.opt(&m.created_at) {
-            Some(c) => match self.dialect {
-                Dialect::Postgres => format!(
-                    "(extract(epoch from {} - min(CASE WHEN {} AND isfinite({c}) THEN {c} END)) * 1000)::int8",
-                    self.now(),
-                    self.pending()
-                ),
-                Dialect::MySql => format!(
-                    "CAST(TIMESTAMPDIFF(MICROSECOND, min(CASE WHEN {} THEN {c} END), {}) / 1000 AS SIGNED)",
-                    self.pending(),
+        // Since when the row has waited to go out: since its creation once it failed; since
+        // it became due while never tried; not at all while scheduled for later. From
+        // `created_at` alone, an event scheduled for tomorrow aged the backlog from its
+        // insert, and the oldest-pending alert fired on it.
+        let waiting_since = |c: &str| match self.opt(&m.available_at) {
+            None => c.to_string(),
+            Some(a) => {
+                let failed = match self.opt(&m.attempts) {
+                    Some(attempts) => format!("WHEN {attempts} > 0 THEN {c} "),
+                    None => String::new(),
+                };
+                format!(
+                    "CASE {failed}WHEN {a} IS NULL THEN {c} WHEN {a} <= {} THEN \
+                     (CASE WHEN {a} > {c} THEN {a} ELSE {c} END) END",
                     self.now()
-                ),
-            },
+                )
+            }
+        };
+        let age = match self.opt(&m.created_at) {
+            Some(c) => {
+                let since = waiting_since(&c);
+                match self.dialect {
+                    Dialect::Postgres => format!(
+                        "(extract(epoch from {} - min(CASE WHEN {} AND isfinite({c}) THEN {since} END)) * 1000)::int8",
+                        self.now(),
+                        self.pending()
+                    ),
+                    Dialect::MySql => format!(
+                        "CAST(TIMESTAMPDIFF(MICROSECOND, min(CASE WHEN {} THEN {since} END), {}) / 1000 AS SIGNED)",
+                        self.pending(),
+                        self.now()
+                    ),
+                }
+            }
             None => self.null_int().into(),
         };
         let dest = self.text(&self.col(&m.destination));

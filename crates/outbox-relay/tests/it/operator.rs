@@ -1,5 +1,6 @@
 //! Operator commands through the binary, on the embedded SQLite store (the store-level
-//! behaviour is covered for PostgreSQL and SQLite by the conformance suite).
+//! behaviour is covered for PostgreSQL and SQLite by the conformance suite), and what
+//! `stats` says of scheduled events on each store.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -282,4 +283,130 @@ fn dead_retry_of_many_moves_them_a_page_at_a_time_with_progress() {
         )
         .unwrap();
     assert_eq!((pending, dead), (2500, 0));
+}
+
+/// An event written ten minutes ago for tomorrow has not waited to go out yet: the oldest
+/// pending age counted it from its insert, and the shipped `OutboxOldestPendingEventTooOld`
+/// alert (over 5 minutes) fired on any event scheduled further ahead. A due event beside it
+/// sets the age; a failed one counts from its creation. Each store, through `stats --json`.
+async fn a_scheduled_event_does_not_age_the_backlog(url: &str, schedule: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let stats = || {
+        let out = relay(dir.path(), &["stats", "--json", "--database-url", url]);
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let ages = [
+            json["backlog"]["oldest_pending_age_seconds"].as_f64(),
+            json["destinations"][0]["oldest_pending_age_seconds"].as_f64(),
+        ];
+        (json["backlog"]["pending"].as_u64(), ages)
+    };
+    relay(dir.path(), &["migrate", "--database-url", url]);
+    for statement in schedule {
+        // Each store's own SQL: the scheduled row, then the due one.
+        let out = Command::new(BIN)
+            .args([
+                "send",
+                "--database-url",
+                url,
+                "--destination",
+                "d",
+                "--key",
+                "k",
+            ])
+            .args(["--type", "t", "{}"])
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        execute(url, statement).await;
+    }
+    let (pending, ages) = stats();
+    assert_eq!(pending, Some(1));
+    assert_eq!(ages, [None, None], "a scheduled event has not waited yet");
+    relay(
+        dir.path(),
+        &[
+            "send",
+            "--database-url",
+            url,
+            "--destination",
+            "d",
+            "--key",
+            "k2",
+            "--type",
+            "t",
+            "{}",
+        ],
+    );
+    let (pending, ages) = stats();
+    assert_eq!(pending, Some(2));
+    for age in ages {
+        let age = age.expect("the due event's age");
+        assert!(
+            age < 60.0,
+            "the due event set the age, not the scheduled one: {age}"
+        );
+    }
+}
+
+async fn execute(url: &str, statement: &str) {
+    if url.starts_with("postgres") {
+        crate::support::pg(url)
+            .await
+            .batch_execute(statement)
+            .await
+            .unwrap();
+    } else if url.starts_with("mysql") {
+        use mysql_async::prelude::Queryable;
+        let mut conn = mysql_async::Conn::from_url(url).await.unwrap();
+        conn.query_drop(statement).await.unwrap();
+    } else {
+        let path = url.strip_prefix("sqlite:").unwrap();
+        rusqlite::Connection::open(path)
+            .unwrap()
+            .execute_batch(statement)
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_event_does_not_age_a_postgres_backlog() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    a_scheduled_event_does_not_age_the_backlog(
+        &url,
+        &[
+            "UPDATE outbox SET created_at = now() - interval '10 minutes',
+                            available_at = now() + interval '1 day'",
+        ],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_event_does_not_age_a_mariadb_backlog() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    a_scheduled_event_does_not_age_the_backlog(
+        &url,
+        &[
+            "UPDATE outbox SET created_at = UTC_TIMESTAMP(6) - INTERVAL 10 MINUTE,
+                            available_at = UTC_TIMESTAMP(6) + INTERVAL 1 DAY",
+        ],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_event_does_not_age_a_sqlite_backlog() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("outbox.db").display());
+    a_scheduled_event_does_not_age_the_backlog(
+        &url,
+        &["UPDATE outbox SET created_at = created_at - 600000,
+                            available_at = created_at + 86400000"],
+    )
+    .await;
 }
