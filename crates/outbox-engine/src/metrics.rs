@@ -50,7 +50,7 @@ pub fn describe() {
     describe_gauge!(
         OLDEST_AGE,
         Unit::Seconds,
-        "Age of the oldest pending event."
+        "How long the oldest pending event has waited to go out: since it became due (an event scheduled for later has not waited yet), or since its creation once it failed."
     );
     describe_counter!(STORE_ERRORS, "Failed database operations, by operation.");
     describe_gauge!(
