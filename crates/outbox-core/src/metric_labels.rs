@@ -37,14 +37,18 @@ impl DestinationLabels {
         }
     }
 
+    /// The destination's label value, its control characters escaped: a writer chooses
+    /// destinations, and `/metrics` (which needs no token) printed one raw, so a `curl` of it
+    /// in a terminal ran the escape sequences it held.
     pub fn label(&self, destination: &str) -> String {
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let shown = || crate::redact::escape_controls(destination).into_owned();
         if seen.contains(destination) {
-            return destination.to_string();
+            return shown();
         }
         if seen.len() < self.limit {
             seen.insert(destination.to_string());
-            return destination.to_string();
+            return shown();
         }
         "other".to_string()
     }
@@ -61,5 +65,11 @@ mod tests {
         assert_eq!(labels.label("b"), "b");
         assert_eq!(labels.label("c"), "other");
         assert_eq!(labels.label("a"), "a");
+    }
+
+    #[test]
+    fn a_destinations_control_characters_are_escaped() {
+        let labels = DestinationLabels::new(2);
+        assert_eq!(labels.label("evil\u{1b}]0;pwned\u{7}"), "evil\\u{1b}]0;pwned\\u{7}");
     }
 }
