@@ -70,6 +70,9 @@ mod tests {
     #[test]
     fn a_destinations_control_characters_are_escaped() {
         let labels = DestinationLabels::new(2);
-        assert_eq!(labels.label("evil\u{1b}]0;pwned\u{7}"), "evil\\u{1b}]0;pwned\\u{7}");
+        assert_eq!(
+            labels.label("evil\u{1b}]0;pwned\u{7}"),
+            "evil\\u{1b}]0;pwned\\u{7}"
+        );
     }
 }

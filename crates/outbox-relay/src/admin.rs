@@ -586,9 +586,11 @@ async fn status_body(c: &Console) -> Result<Value, Response> {
     }))
 }
 
-/// Query parameters, percent-decoded; unknown names are refused so a typo is not ignored.
+/// Query parameters, percent-decoded; unknown names are refused so a typo is not ignored,
+/// and so is a name given twice (one of the two would be dropped unsaid) or a NUL, which
+/// no database column holds (PostgreSQL refused it, and the API answered 500).
 fn query_params(raw: Option<String>, known: &[&str]) -> Result<Vec<(String, String)>, Response> {
-    let mut out = Vec::new();
+    let mut out: Vec<(String, String)> = Vec::new();
     for pair in raw.unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         let (k, v) = (percent_decode(k)?, percent_decode(v)?);
@@ -596,6 +598,18 @@ fn query_params(raw: Option<String>, known: &[&str]) -> Result<Vec<(String, Stri
             return Err(failure(
                 StatusCode::BAD_REQUEST,
                 format!("unknown query parameter {k:?}; known: {}", known.join(", ")),
+            ));
+        }
+        if out.iter().any(|(seen, _)| *seen == k) {
+            return Err(failure(
+                StatusCode::BAD_REQUEST,
+                format!("the query parameter {k:?} is given twice; give it once"),
+            ));
+        }
+        if v.contains('\0') {
+            return Err(failure(
+                StatusCode::BAD_REQUEST,
+                format!("the query parameter {k:?} holds a NUL character, which no event has"),
             ));
         }
         out.push((k, v));
@@ -1202,6 +1216,19 @@ mod tests {
             assert!(!shown.contains(secret), "{secret} in {shown}");
         }
         assert!(shown.contains("postgres://relay:***@db/app"), "{shown}");
+    }
+
+    /// A NUL reached PostgreSQL, which refused it (500, with a fix pointing at the tables);
+    /// a name given twice kept the last value unsaid.
+    #[test]
+    fn a_query_with_a_nul_or_a_name_twice_is_refused() {
+        let status = |raw: &str| match query_params(Some(raw.into()), &["type", "limit"]) {
+            Ok(_) => StatusCode::OK,
+            Err(r) => r.status(),
+        };
+        assert_eq!(status("type=%00"), StatusCode::BAD_REQUEST);
+        assert_eq!(status("limit=1&limit=2"), StatusCode::BAD_REQUEST);
+        assert_eq!(status("type=a&limit=2"), StatusCode::OK);
     }
 
     #[test]
