@@ -19,11 +19,40 @@ pub fn read(path: &Path, what: &str, flag: &str) -> anyhow::Result<Secret> {
     })?;
     let value = Secret::new(text.lines().next().unwrap_or_default().trim());
     if value.expose().is_empty() {
+        // A file with text past a blank first line is not empty: saying so sent the
+        // operator looking at the wrong file.
+        let state = if text.trim().is_empty() {
+            "is empty"
+        } else {
+            "has a blank first line (the secret is read from the first line alone)"
+        };
         return Err(config_error(format!(
-            "the {what} file {} is empty: put the {what} on its first line (or point {flag} \
+            "the {what} file {} {state}: put the {what} on its first line (or point {flag} \
              at the file that holds it)",
             path.display()
         )));
     }
     Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_blank_first_line_is_named_as_such_not_as_an_empty_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "\nsecret-token-value\n").unwrap();
+        let said = read(&path, "admin token", "--admin-token-file")
+            .unwrap_err()
+            .to_string();
+        assert!(said.contains("blank first line"), "{said}");
+        assert!(!said.contains("secret-token-value"), "{said}");
+        std::fs::write(&path, "\n").unwrap();
+        let said = read(&path, "admin token", "--admin-token-file")
+            .unwrap_err()
+            .to_string();
+        assert!(said.contains("is empty"), "{said}");
+    }
 }
