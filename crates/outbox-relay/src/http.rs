@@ -19,6 +19,7 @@ use outbox_core::health::{Check, DEFAULT_STALL};
 use outbox_core::{Health, OutboxStore, Publisher};
 use tower::ServiceExt;
 
+mod connections;
 pub mod settings;
 
 /// What `/readyz` and `/metrics` read of one running outbox.
@@ -88,13 +89,6 @@ async fn listen(addr: SocketAddr) -> anyhow::Result<(tokio::net::TcpListener, So
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// A request (its body included) is answered within this, or gets 408.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
-/// Connections served at once; further ones wait in the listen backlog until one closes.
-pub const MAX_CONNECTIONS: usize = 256;
-/// Connections served at once from one IP address; more from it are closed as they come.
-/// The probes need no token, so without this one client holding every slot (idle
-/// keep-alive connections asking `/healthz` now and then) kept the kubelet's probes waiting
-/// in the backlog past their timeout.
-pub const MAX_CONNECTIONS_PER_PEER: usize = MAX_CONNECTIONS / 4;
 /// An answer being sent must make progress within this, or the connection is closed: a
 /// client that stops reading (its receive window full) would otherwise hold its slot for as
 /// long as its kernel answers TCP's window probes, which is for good.
@@ -149,18 +143,10 @@ async fn serve_bounded(listener: tokio::net::TcpListener, app: Router) {
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT);
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let peers = PeerConnections::default();
+    let table = Connections::default();
     loop {
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            return;
-        };
         let (stream, peer) = match listener.accept().await {
-            Ok((stream, peer)) => match peers.admit(peer.ip()) {
-                Some(peer) => (stream, peer),
-                // Closed at once (dropped), its slot free again.
-                None => continue,
-            },
+            Ok(accepted) => accepted,
             Err(e) => {
                 // Out of file descriptors, say: pause rather than spin.
                 if !matches!(
@@ -173,8 +159,15 @@ async fn serve_bounded(listener: tokio::net::TcpListener, app: Router) {
                 continue;
             }
         };
+        // Closed at once (dropped) when every connection in its share is busy.
+        let Some(held) = table.admit(peer.ip()) else {
+            continue;
+        };
         let _ = stream.set_nodelay(true);
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let service = Counted {
+            inner: hyper_util::service::TowerToHyperService::new(app.clone()),
+            held: held.clone(),
+        };
         let stream = WritesProgress::new(stream, WRITE_STALL_TIMEOUT);
         let connection = http.serve_connection(TokioIo::new(stream), service);
         tokio::spawn(async move {
@@ -182,70 +175,114 @@ async fn serve_bounded(listener: tokio::net::TcpListener, app: Router) {
             let mut connection = std::pin::pin!(connection);
             tokio::select! {
                 _ = connection.as_mut() => {}
+                // Room made for a newer connection: this one was idle.
+                () = held.evicted.notified() => {}
                 () = tokio::time::sleep(CONNECTION_LIFETIME) => {
                     connection.as_mut().graceful_shutdown();
                     let last_answer = REQUEST_TIMEOUT + WRITE_STALL_TIMEOUT;
                     let _ = tokio::time::timeout(last_answer, connection).await;
                 }
             }
-            drop((slot, peer));
+            held.close();
         });
     }
 }
 
-/// How many connections each peer has open ([`MAX_CONNECTIONS_PER_PEER`]), a peer being
-/// an address as [`peer_of`] groups them.
+/// The server's [`connections::Table`], shared by the accept loop and the connections'
+/// tasks, with a way to close each connection it evicts.
 #[derive(Clone, Default)]
-struct PeerConnections(Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>);
+struct Connections(Arc<std::sync::Mutex<ConnectionsInner>>);
 
-/// The peer an address counts as: an IPv6 address by its /64 (one host is handed a whole
-/// /64, so counted by address it could open as many connections as it has addresses), an
-/// IPv4-mapped one as its IPv4 address, any other address as itself.
-fn peer_of(ip: std::net::IpAddr) -> std::net::IpAddr {
-    use std::net::{IpAddr, Ipv6Addr};
-    match ip {
-        IpAddr::V4(_) => ip,
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => IpAddr::V6(Ipv6Addr::from_bits(v6.to_bits() & !u128::from(u64::MAX))),
-        },
-    }
+#[derive(Default)]
+struct ConnectionsInner {
+    table: connections::Table,
+    evict: std::collections::HashMap<connections::ConnectionId, Arc<tokio::sync::Notify>>,
 }
 
-/// One open connection of a peer, counted until dropped.
-struct PeerConnection {
-    peers: PeerConnections,
-    ip: std::net::IpAddr,
-}
-
-impl PeerConnections {
-    fn admit(&self, ip: std::net::IpAddr) -> Option<PeerConnection> {
-        let ip = peer_of(ip);
-        let mut open = self
-            .0
+impl Connections {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ConnectionsInner> {
+        self.0
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let count = open.entry(ip).or_insert(0);
-        if *count >= MAX_CONNECTIONS_PER_PEER {
-            return None;
-        }
-        *count += 1;
-        Some(PeerConnection {
-            peers: self.clone(),
-            ip,
-        })
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
-}
 
-impl Drop for PeerConnection {
-    fn drop(&mut self) {
-        let mut open = (self.peers.0.lock()).unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(count) = open.get_mut(&self.ip) {
-            *count -= 1;
-            if *count == 0 {
-                open.remove(&self.ip);
+    /// Admits a connection from `address`, closing the one evicted for it; `None`: refused.
+    fn admit(&self, address: std::net::IpAddr) -> Option<HeldConnection> {
+        let mut inner = self.lock();
+        match inner.table.admit(address) {
+            connections::Admission::Refuse => None,
+            connections::Admission::Serve { id, evicted } => {
+                if let Some(notify) = evicted.and_then(|e| inner.evict.remove(&e)) {
+                    notify.notify_one();
+                }
+                let evicted = Arc::new(tokio::sync::Notify::new());
+                inner.evict.insert(id, evicted.clone());
+                Some(HeldConnection {
+                    connections: self.clone(),
+                    id,
+                    evicted,
+                })
             }
         }
+    }
+}
+
+/// One admitted connection: its requests are counted, and it is let go when closed.
+#[derive(Clone)]
+struct HeldConnection {
+    connections: Connections,
+    id: connections::ConnectionId,
+    /// Notified when the table closes it to make room.
+    evicted: Arc<tokio::sync::Notify>,
+}
+
+impl HeldConnection {
+    fn close(&self) {
+        let mut inner = self.connections.lock();
+        inner.table.closed(self.id);
+        inner.evict.remove(&self.id);
+    }
+}
+
+/// Ends a request's count when dropped: answered, or abandoned with its connection.
+struct InProgress(HeldConnection);
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        self.0.connections.lock().table.request_ended(self.0.id);
+    }
+}
+
+/// The app's service, counting the requests in progress on its connection: a connection
+/// with one is never closed to make room.
+struct Counted<S> {
+    inner: S,
+    held: HeldConnection,
+}
+
+impl<S, B> hyper::service::Service<hyper::Request<B>> for Counted<S>
+where
+    S: hyper::service::Service<hyper::Request<B>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn call(&self, request: hyper::Request<B>) -> Self::Future {
+        self.held
+            .connections
+            .lock()
+            .table
+            .request_began(self.held.id);
+        let in_progress = InProgress(self.held.clone());
+        let answer = self.inner.call(request);
+        Box::pin(async move {
+            let answer = answer.await;
+            drop(in_progress);
+            answer
+        })
     }
 }
 
@@ -970,33 +1007,6 @@ pub async fn watch_health(probes: Probes) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_ipv6_peer_is_its_64_and_a_mapped_ipv4_one_its_ipv4_address() {
-        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
-        assert_eq!(peer_of(ip("2001:db8:1:2:aaaa::1")), ip("2001:db8:1:2::"));
-        assert_eq!(
-            peer_of(ip("2001:db8:1:2:ffff:ffff:ffff:ffff")),
-            peer_of(ip("2001:db8:1:2::7"))
-        );
-        assert_ne!(
-            peer_of(ip("2001:db8:1:3::1")),
-            peer_of(ip("2001:db8:1:2::1"))
-        );
-        assert_eq!(peer_of(ip("::ffff:10.0.0.7")), ip("10.0.0.7"));
-        assert_eq!(peer_of(ip("10.0.0.7")), ip("10.0.0.7"));
-        let peers = PeerConnections::default();
-        let held: Vec<_> = (0..MAX_CONNECTIONS_PER_PEER)
-            .map(|i| peers.admit(ip(&format!("2001:db8::{:x}", i + 1))).unwrap())
-            .collect();
-        assert!(
-            peers.admit(ip("2001:db8::ffff")).is_none(),
-            "another address of the same /64 is the same peer"
-        );
-        assert!(peers.admit(ip("2001:db9::1")).is_some());
-        drop(held);
-        assert!(peers.admit(ip("2001:db8::ffff")).is_some());
-    }
 
     /// A sink's error quoting its receiver's body drove the terminal of whoever ran
     /// `health --ready`, and reached every reader of the open probe as sent.
