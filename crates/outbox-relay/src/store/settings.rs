@@ -134,17 +134,27 @@ impl std::fmt::Debug for DatabaseSettings {
             None => url,
         };
         let tables = self.layout_tables();
+        // On MySQL the default schema stands for the URL's database, and SQLite has none:
+        // `public` is PostgreSQL's alone.
+        let schemaless = matches!(
+            self.database_kind(),
+            Ok(DatabaseKind::MySql | DatabaseKind::Sqlite(_))
+        );
+        let qualified = |schema: &str, table: &str| match schemaless && schema == DEFAULT_SCHEMA {
+            true => table.to_string(),
+            false => format!("{schema}.{table}"),
+        };
         f.debug_struct("DatabaseSettings")
             .field("database_url", &database_url)
             .field("layout", &self.layout.to_string())
             // The tables in effect: a layout's own names where none are configured.
             .field(
                 "outbox",
-                &format!("{}.{}", tables.outbox_schema, tables.outbox_table),
+                &qualified(&tables.outbox_schema, &tables.outbox_table),
             )
             .field(
                 "nodes",
-                &format!("{}.{}", tables.nodes_schema, tables.nodes_table),
+                &qualified(&tables.nodes_schema, &tables.nodes_table),
             )
             .field("retain_delivered", &self.retain_delivered)
             .finish_non_exhaustive()
@@ -503,6 +513,27 @@ mod tests {
             err.contains("use postgres://") && !err.contains("pw"),
             "{err}"
         );
+    }
+
+    /// `check` printed `outbox: "public.outbox"` for a MySQL or SQLite store, neither of
+    /// which has a `public` schema.
+    #[test]
+    fn the_settings_name_the_tables_as_each_store_does() {
+        let shown = |url: &str| {
+            format!(
+                "{:?}",
+                DatabaseSettings {
+                    database_url: url.into(),
+                    ..DatabaseSettings::default()
+                }
+            )
+        };
+        for url in ["mysql://u@h/shop", "sqlite:outbox.db"] {
+            let text = shown(url);
+            assert!(text.contains("outbox: \"outbox\""), "{text}");
+        }
+        let text = shown("postgres://u@h/shop");
+        assert!(text.contains("outbox: \"public.outbox\""), "{text}");
     }
 
     #[test]
