@@ -38,6 +38,17 @@ impl MySql {
                 run: Run::Alone,
                 older_relays_run: true,
             });
+            steps.push(Step {
+                version: 3,
+                summary: "the pending index carries available_at and locked_until, so a claim \
+                          passes rows scheduled for later (or waiting out a retry, or leased) \
+                          in the index alone: it read each one's row, 350 ms a claim over \
+                          300,000 scheduled rows",
+                statements: vec![pending_index_covers_the_claim(sql)],
+                lock: Lock::Online,
+                run: Run::Alone,
+                older_relays_run: true,
+            });
         }
         Some(Steps::new("outbox", steps))
     }
@@ -241,6 +252,55 @@ fn rows_ahead_of_utc_due_now(sql: &Sql) -> String {
     format!(
         "SET SESSION innodb_lock_wait_timeout = 5;\n{}",
         where_columns(sql, &columns, &update)
+    )
+}
+
+/// The native table's pending index remade with the claim's other conditions after its
+/// order (`ALGORITHM=INPLACE, LOCK=NONE`: writers go on while InnoDB builds it), unless it
+/// has them already, or the table lacks the columns (the BLACKHOLE form). The DDL waits at most 5 s
+/// for the table's metadata lock, then the step fails, to run again.
+fn pending_index_covers_the_claim(sql: &Sql) -> String {
+    let literal = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"));
+    let schema = sql
+        .mapping
+        .schema
+        .as_deref()
+        .map_or_else(|| "DATABASE()".to_string(), literal);
+    let table = sql.table();
+    let index = format!("{}_pending", sql.mapping.table);
+    let quoted_index = format!("`{}`", index.replace('`', "``"));
+    let columns = outbox_layout::sql::MYSQL_PENDING_INDEX_COLUMNS;
+    let add = format!("ADD INDEX {quoted_index} ({columns}), ALGORITHM=INPLACE, LOCK=NONE");
+    let remake = format!("ALTER TABLE {table} DROP INDEX {quoted_index}, {add}");
+    let make = format!("ALTER TABLE {table} {add}");
+    let statistics = format!(
+        "FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = {} \
+         AND INDEX_NAME = {}",
+        literal(&sql.mapping.table),
+        literal(&index)
+    );
+    // A table without the columns (the BLACKHOLE form keeps no state) has no such index.
+    let names: Vec<String> = columns.split(", ").map(literal).collect();
+    let has_columns = format!(
+        "(SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = {schema} \
+         AND TABLE_NAME = {} AND COLUMN_NAME IN ({})) = {}",
+        literal(&sql.mapping.table),
+        names.join(", "),
+        names.len()
+    );
+    format!(
+        "SET SESSION lock_wait_timeout = 5;
+SET @outbox_relay_step = (SELECT CASE
+    WHEN NOT {has_columns} THEN 'DO 0'
+    WHEN (SELECT COUNT(*) {statistics} AND COLUMN_NAME = 'available_at') > 0 THEN 'DO 0'
+    WHEN (SELECT COUNT(*) {statistics}) > 0 THEN {}
+    ELSE {} END);
+PREPARE outbox_relay_step FROM @outbox_relay_step;
+EXECUTE outbox_relay_step;
+DEALLOCATE PREPARE outbox_relay_step;
+",
+        literal(&remake),
+        literal(&make)
     )
 }
 

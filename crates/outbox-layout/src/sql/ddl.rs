@@ -337,6 +337,14 @@ pub const MYSQL_EVENT_COLUMNS: &str = "event_id      char(36) NOT NULL DEFAULT (
     mutation_id   varchar(255) NULL,";
 
 /// The native layout on MySQL/MariaDB.
+/// The native MySQL table's pending index as step 3 of its migrations remakes it (the
+/// first step's, which has shipped, is left as it was): the claim's order after its
+/// equalities, then the columns of its other conditions, which InnoDB checks in the index (index condition
+/// pushdown) instead of reading the row of every one it passes: rows scheduled for later,
+/// waiting out a retry or leased.
+pub const MYSQL_PENDING_INDEX_COLUMNS: &str =
+    "delivered_at, dead_at, sequence_id, available_at, locked_until";
+
 pub fn native_mysql_ddl(m: &Mapping) -> String {
     let t = &m.table;
     let qualified = mysql_table(m);

@@ -16,7 +16,7 @@ mod operator;
 
 pub use ddl::{
     adbc_outbox_ddl, debezium_ddl, export_ddl, mysql_outbox_events_ddl, native_mysql_ddl,
-    open_outbox_ddl, pg_create_schema, MYSQL_EVENT_COLUMNS,
+    open_outbox_ddl, pg_create_schema, MYSQL_EVENT_COLUMNS, MYSQL_PENDING_INDEX_COLUMNS,
 };
 
 use uuid::Uuid;

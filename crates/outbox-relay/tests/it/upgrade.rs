@@ -15,6 +15,9 @@ use crate::support::{pg, read_lines, relay, text, RelayProcess};
 
 /// Past schemas, oldest first: directories of `tests/fixtures/schemas/`.
 const FIXTURES: &[&str] = &["first-wave"];
+/// The past MySQL/MariaDB schemas: those of [`FIXTURES`], then the ones saved for MySQL
+/// alone (a directory with `mysql.sql` only).
+const MYSQL_FIXTURES: &[&str] = &["first-wave", "mysql-v2"];
 
 fn fixture(name: &str, file: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -94,7 +97,8 @@ fn assert_refused_older(run: &Output) {
     let err = text(&run.stderr);
     assert_eq!(run.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("unversioned schema") && err.contains("run `outbox-relay migrate`"),
+        (err.contains("unversioned schema") || err.contains("schema is version"))
+            && err.contains("run `outbox-relay migrate`"),
         "{err}"
     );
 }
@@ -105,7 +109,10 @@ fn assert_check_refuses_older(dir: &Path, url: &str) {
     let check = relay(dir, &["check", "--database-url", url]);
     let out = text(&check.stdout);
     assert_eq!(check.status.code(), Some(2), "{out}");
-    assert!(out.contains("unversioned schema"), "{out}");
+    assert!(
+        out.contains("unversioned schema") || out.contains("schema is version"),
+        "{out}"
+    );
 }
 
 /// `migrate`, then `check` reports the version this relay needs.
@@ -210,7 +217,7 @@ async fn postgres_schemas_from_the_past_upgrade_with_nothing_lost_or_reordered()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_schemas_from_the_past_upgrade_with_nothing_lost_or_reordered() {
     use mysql_async::prelude::Queryable;
-    for name in FIXTURES {
+    for name in MYSQL_FIXTURES {
         let url = outbox_testkit::fresh_mysql_database().await;
         let mut conn = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
         conn.query_drop(fixture(name, "mysql.sql")).await.unwrap();
@@ -254,6 +261,23 @@ async fn mariadb_schemas_from_the_past_upgrade_with_nothing_lost_or_reordered() 
         assert_check_refuses_older(dir.path(), &url);
         assert!(events.is_empty(), "{events:?}");
         migrate_and_check(dir.path(), &url);
+        // Step 3: the pending index carries the claim's other conditions, so a claim
+        // passes rows scheduled for later in the index alone.
+        let mut conn = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+        let columns: Vec<String> = conn
+            .query(
+                "SELECT COLUMN_NAME FROM information_schema.STATISTICS
+                  WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'outbox'
+                    AND INDEX_NAME = 'outbox_pending' ORDER BY SEQ_IN_INDEX",
+            )
+            .await
+            .unwrap();
+        conn.disconnect().await.unwrap();
+        assert_eq!(
+            columns.join(", "),
+            outbox_layout::sql::MYSQL_PENDING_INDEX_COLUMNS,
+            "{name}"
+        );
         let (run, events) = drain(dir.path(), &url);
         assert!(run.status.success(), "{name}: {}", text(&run.stderr));
         assert_all_in_order(&events);
