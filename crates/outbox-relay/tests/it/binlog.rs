@@ -724,24 +724,9 @@ async fn a_row_the_log_never_carries_shows_in_the_backlog() {
 async fn a_drain_beside_a_running_relay_says_it_waits_as_its_standby() {
     let db = BinlogDb::new().await;
     let mut active = db.reading("relay-1", "out-1.jsonl").await;
-    // A short lease: the drain's patience under capture.
-    let mut drain = db.spawn(
-        "relay-2",
-        "out-2.jsonl",
-        &["--drain", "--lease", "3s", "--publish-timeout", "2s"],
-    );
-    drain
-        .wait_for_log(
-            "the drain saying it waits as a standby",
-            Duration::from_secs(30),
-            "this drain delivers nothing unless that relay stops",
-        )
-        .await;
-    let status = drain.wait_exit_within(Duration::from_secs(60)).await;
-    let logs = drain.logs();
-    assert_eq!(status.code(), Some(1), "{logs}");
-    assert!(logs.contains("so this drain read none of it"), "{logs}");
-    assert!(!logs.contains("more pending"), "{logs}");
+    let flags = crate::support::STANDBY_DRAIN_FLAGS;
+    let mut drain = db.spawn("relay-2", "out-2.jsonl", &flags);
+    crate::support::assert_the_drain_says_it_waited_as_a_standby(&mut drain).await;
     assert!(active.terminate().await.success(), "{}", active.logs());
 }
 

@@ -540,21 +540,9 @@ async fn a_drain_beside_a_streaming_relay_says_it_waits_as_its_standby() {
     active
         .wait_for_log("relay a streaming", Duration::from_secs(60), STREAMING)
         .await;
-    // A short lease: the drain's patience under capture.
-    let drain_flags = ["--drain", "--lease", "3s", "--publish-timeout", "2s"];
-    let mut drain = w.spawn("drain", &dir.join("drain.jsonl"), &drain_flags);
-    drain
-        .wait_for_log(
-            "the drain saying it waits as a standby",
-            Duration::from_secs(30),
-            "this drain delivers nothing unless that relay stops",
-        )
-        .await;
-    let status = drain.wait_exit_within(Duration::from_secs(60)).await;
-    let logs = drain.logs();
-    assert_eq!(status.code(), Some(1), "{logs}");
-    assert!(logs.contains("so this drain read none of it"), "{logs}");
-    assert!(!logs.contains("more pending"), "{logs}");
+    let flags = crate::support::STANDBY_DRAIN_FLAGS;
+    let mut drain = w.spawn("drain", &dir.join("drain.jsonl"), &flags);
+    crate::support::assert_the_drain_says_it_waited_as_a_standby(&mut drain).await;
     let mut active = active;
     assert!(active.terminate().await.success(), "{}", active.logs());
 }

@@ -990,3 +990,24 @@ pub async fn read_http_request(socket: &mut tokio::net::TcpStream) -> Option<(St
         }
     }
 }
+
+/// A drain's flags for a test beside an active relay: a short lease, which is the drain's
+/// patience under capture.
+pub const STANDBY_DRAIN_FLAGS: [&str; 5] = ["--drain", "--lease", "3s", "--publish-timeout", "2s"];
+
+/// A drain that waits as the active relay's standby says so at once, and again at its exit
+/// (1), not that a row was left "leased by another node, or scheduled for later".
+pub async fn assert_the_drain_says_it_waited_as_a_standby(drain: &mut RelayProcess) {
+    drain
+        .wait_for_log(
+            "the drain saying it waits as a standby",
+            Duration::from_secs(30),
+            "this drain delivers nothing unless that relay stops",
+        )
+        .await;
+    let status = drain.wait_exit_within(Duration::from_secs(60)).await;
+    let logs = drain.logs();
+    assert_eq!(status.code(), Some(1), "{logs}");
+    assert!(logs.contains("so this drain read none of it"), "{logs}");
+    assert!(!logs.contains("more pending"), "{logs}");
+}
