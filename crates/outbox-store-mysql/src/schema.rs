@@ -257,15 +257,10 @@ fn rows_ahead_of_utc_due_now(sql: &Sql) -> String {
 
 /// The native table's pending index remade with the claim's other conditions after its
 /// order (`ALGORITHM=INPLACE, LOCK=NONE`: writers go on while InnoDB builds it), unless it
-/// has them already, or the table lacks the columns (the BLACKHOLE form). The DDL waits at most 5 s
-/// for the table's metadata lock, then the step fails, to run again.
+/// has them already, or the table lacks the columns (the BLACKHOLE form). The DDL waits at
+/// most 5 s for the table's metadata lock, then the step fails, to run again.
 fn pending_index_covers_the_claim(sql: &Sql) -> String {
-    let literal = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"));
-    let schema = sql
-        .mapping
-        .schema
-        .as_deref()
-        .map_or_else(|| "DATABASE()".to_string(), literal);
+    let schema = catalog_schema(sql);
     let table = sql.table();
     let index = format!("{}_pending", sql.mapping.table);
     let quoted_index = format!("`{}`", index.replace('`', "``"));
@@ -304,15 +299,24 @@ DEALLOCATE PREPARE outbox_relay_step;
     )
 }
 
+/// A string literal of MySQL's SQL.
+fn literal(text: &str) -> String {
+    format!("'{}'", text.replace('\\', "\\\\").replace('\'', "''"))
+}
+
+/// The table's schema as the catalog's `TABLE_SCHEMA` is compared with: the mapping's, or
+/// the connection's database.
+fn catalog_schema(sql: &Sql) -> String {
+    sql.mapping
+        .schema
+        .as_deref()
+        .map_or_else(|| "DATABASE()".to_string(), literal)
+}
+
 /// Runs `statement` only if the table has every one of `columns`: MySQL has no `IF` outside
 /// a routine, so the statement is prepared from a query of the catalog.
 fn where_columns(sql: &Sql, columns: &[&str], statement: &str) -> String {
-    let literal = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"));
-    let schema = sql
-        .mapping
-        .schema
-        .as_deref()
-        .map_or_else(|| "DATABASE()".to_string(), literal);
+    let schema = catalog_schema(sql);
     let names: Vec<String> = columns.iter().map(|c| literal(c)).collect();
     format!(
         "SET @outbox_relay_step = (SELECT IF(COUNT(*) = {}, {}, 'DO 0')
