@@ -977,26 +977,22 @@ impl MySql {
             .exec(&order, bind(unlocked))
             .await
             .map_err(|e| db_error("claim", e))?;
-        // A row whose id cannot be read is locked by the condition alone: the store sets it
-        // aside once claimed, as before.
-        let unreadable = in_order
+        // Every id read back, or none: a row whose id cannot be read is locked by the
+        // condition alone, and the store sets it aside once claimed, as before.
+        let found: Option<Vec<RowId>> = in_order
             .iter()
-            .any(|(id, _)| parse_row_id(&text(id).unwrap_or_default(), &sql.mapping).is_err());
+            .map(|(id, _)| parse_row_id(&text(id).unwrap_or_default(), &sql.mapping).ok())
+            .collect();
         let mut rows: Vec<Row> = Vec::new();
         if !in_order.is_empty() {
             let mut params = claim.params;
             let limit = params.int(claim.limit);
-            let condition = if unreadable {
-                claim.condition.clone()
-            } else {
-                let found: Vec<RowId> = in_order
-                    .iter()
-                    .filter_map(|(id, _)| {
-                        parse_row_id(&text(id).unwrap_or_default(), &sql.mapping).ok()
-                    })
-                    .collect();
-                let membership = params.in_ids(&found, sql.mapping.id_type);
-                format!("({}) AND {} {membership}", claim.condition, sql.id_column())
+            let condition = match found {
+                Some(ids) => {
+                    let membership = params.in_ids(&ids, sql.mapping.id_type);
+                    format!("({}) AND {} {membership}", claim.condition, sql.id_column())
+                }
+                None => claim.condition.clone(),
             };
             let select = sql.claim_select(&condition, &limit, true);
             let update = params.after();
