@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use anyhow::bail;
@@ -268,6 +268,57 @@ impl Config {
             config.check_worker_threads()?;
         }
         Ok(config)
+    }
+
+    /// A warning for each file read for this configuration that holds a secret and that
+    /// every user of the host may read: the settings file (`file`, as given to [`load`]) when
+    /// it sets a secret, and the admin token and database URL files. Logged once logging is
+    /// up; the relay runs on, as libpq does with a readable password file.
+    ///
+    /// [`load`]: Config::load
+    pub fn secrets_everyone_may_read(&self, file: Option<&Path>) -> Vec<String> {
+        use crate::secret_file::{exposed_warning, readable_by_everyone};
+        let mut warnings = Vec::new();
+        let settings_file = file.or_else(|| {
+            let default = Path::new(DEFAULT_CONFIG_FILE);
+            default.exists().then_some(default)
+        });
+        if let Some(path) = settings_file {
+            if let Some(mode) = readable_by_everyone(path) {
+                let secrets = secrets_set_by(path);
+                if !secrets.is_empty() {
+                    let subject = format!(
+                        "the settings file {} (it sets {})",
+                        path.display(),
+                        secrets.join(", ")
+                    );
+                    warnings.push(exposed_warning(&subject, path, mode));
+                }
+            }
+        }
+        let outbox_url_files = self.relay.outboxes.iter().filter_map(|outbox| {
+            outbox
+                .get("database_url_file")
+                .and_then(|value| value.as_str())
+                .map(PathBuf::from)
+        });
+        let files = [
+            (self.http.admin_token_file.clone(), "the admin token file"),
+            (
+                self.database.database_url_file.clone(),
+                "the database URL file",
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(path, what)| Some((path?, what)))
+        .chain(outbox_url_files.map(|path| (path, "the database URL file")));
+        for (path, what) in files {
+            if let Some(mode) = readable_by_everyone(&path) {
+                let subject = format!("{what} {}", path.display());
+                warnings.push(exposed_warning(&subject, &path, mode));
+            }
+        }
+        warnings
     }
 
     /// The runtime's worker count, which the process uses before any outbox is validated.
@@ -1119,6 +1170,52 @@ fn config_file(path: &Path) -> anyhow::Result<figment::providers::Data<Toml>> {
         anyhow::anyhow!("config file {shown}: {e} (check --config or OUTBOX_RELAY_CONFIG)")
     })?;
     Ok(Toml::string(&text))
+}
+
+/// The settings the file at `path` sets to a secret (a [`Secret`], or a URL with a
+/// password), by name: where the settings it alone makes differ from their redacted form.
+fn secrets_set_by(path: &Path) -> Vec<String> {
+    fn differing(
+        plain: &serde_json::Value,
+        shown: &serde_json::Value,
+        at: String,
+        out: &mut Vec<String>,
+    ) {
+        use serde_json::Value;
+        match (plain, shown) {
+            (Value::Object(plain), Value::Object(shown)) => {
+                for (key, value) in plain {
+                    let name = if at.is_empty() {
+                        key.clone()
+                    } else {
+                        format!("{at}.{key}")
+                    };
+                    match shown.get(key) {
+                        Some(other) => differing(value, other, name, out),
+                        None => out.push(name),
+                    }
+                }
+            }
+            (Value::Array(plain), Value::Array(shown)) if plain.len() == shown.len() => {
+                for (i, (value, other)) in plain.iter().zip(shown).enumerate() {
+                    differing(value, other, format!("{at}[{i}]"), out);
+                }
+            }
+            _ if plain != shown => out.push(at),
+            _ => {}
+        }
+    }
+    let Ok(file_alone) = config_file(path).and_then(|file| {
+        let figment = Figment::from(Serialized::defaults(Config::default())).merge(file);
+        Config::extract(&figment).map_err(anyhow::Error::from)
+    }) else {
+        return Vec::new();
+    };
+    let plain = serde_json::to_value(&file_alone).unwrap_or_default();
+    let shown = crate::admin::redacted_settings(&file_alone);
+    let mut names = Vec::new();
+    differing(&plain, &shown, String::new(), &mut names);
+    names
 }
 
 /// A parse error's message without the excerpt of the source the TOML parser quotes: the

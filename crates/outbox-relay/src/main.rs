@@ -260,6 +260,9 @@ fn main() -> ExitCode {
         eprintln!("error: {e:#}");
         return ExitCode::from(error::EXIT_BAD_CONFIGURATION);
     }
+    for warning in config.secrets_everyone_may_read(cli.global.config.as_deref()) {
+        tracing::warn!("{warning}");
+    }
     // One TLS crypto provider for every client in the process.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Builder::new_multi_thread()

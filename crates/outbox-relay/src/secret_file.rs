@@ -1,5 +1,6 @@
 //! Secrets kept in files (a systemd credential, a mounted Kubernetes Secret).
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use outbox_core::redact::Secret;
@@ -35,6 +36,34 @@ pub fn read(path: &Path, what: &str, flag: &str) -> anyhow::Result<Secret> {
     Ok(value)
 }
 
+/// The permission bits of the file at `path` when every user of the host may read it: the
+/// file grants others read and each directory above it lets them through (a private
+/// directory protects a file whatever its own mode). `None` when it is private to its owner
+/// and group, or cannot be inspected. Group read is left alone: the packages give the
+/// relay's group read on purpose.
+pub fn readable_by_everyone(path: &Path) -> Option<u32> {
+    let path = std::fs::canonicalize(path).ok()?;
+    let mode = std::fs::metadata(&path).ok()?.permissions().mode();
+    if mode & 0o004 == 0 {
+        return None;
+    }
+    let every_directory_passable = path
+        .ancestors()
+        .skip(1)
+        .all(|dir| std::fs::metadata(dir).is_ok_and(|m| m.permissions().mode() & 0o001 != 0));
+    every_directory_passable.then_some(mode & 0o777)
+}
+
+/// The warning for the file at `path` that every user of the host may read (`mode`);
+/// `subject` names it, its path included.
+pub fn exposed_warning(subject: &str, path: &Path, mode: u32) -> String {
+    format!(
+        "{subject} can be read by every user of this host (mode {mode:04o}): make it the \
+         relay's own with `chmod 600 {}` (or 640 and the relay's group)",
+        path.display()
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -54,5 +83,35 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(said.contains("is empty"), "{said}");
+    }
+
+    #[test]
+    fn a_file_is_readable_by_everyone_only_through_passable_directories() {
+        let dir = tempfile::tempdir().unwrap();
+        let inner = dir.path().join("inner");
+        std::fs::create_dir(&inner).unwrap();
+        let path = inner.join("token");
+        std::fs::write(&path, "secret-token-value\n").unwrap();
+        let set = |p: &Path, mode: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap()
+        };
+        set(dir.path(), 0o755);
+        set(&inner, 0o755);
+        set(&path, 0o644);
+        assert_eq!(readable_by_everyone(&path), Some(0o644));
+        set(&path, 0o640);
+        assert_eq!(
+            readable_by_everyone(&path),
+            None,
+            "group read is left alone"
+        );
+        set(&path, 0o604);
+        set(&inner, 0o750);
+        assert_eq!(
+            readable_by_everyone(&path),
+            None,
+            "a private directory protects it"
+        );
+        assert_eq!(readable_by_everyone(&inner.join("absent")), None);
     }
 }

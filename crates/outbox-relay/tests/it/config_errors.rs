@@ -1720,3 +1720,77 @@ fn send_says_where_it_made_a_new_sqlite_database() {
         stderr(&second)
     );
 }
+
+/// A settings file that sets a secret, or a token or URL file, that every user of the host
+/// may read is named in a warning with its fix; the relay runs on (libpq does the same with
+/// a readable password file). A file private to the relay, or a settings file with no
+/// secret in it, is not named.
+#[test]
+fn a_secret_every_user_may_read_is_warned_about_naming_the_file_and_the_fix() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let set = |name: &str, mode: u32| {
+        std::fs::set_permissions(d.join(name), std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    // The temporary directory is private: made passable, as /etc/outbox-relay would be.
+    std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(
+        d.join("relay.toml"),
+        "admin_token = \"0123456789abcdef0123\"\n\
+         [sinks.hooks]\nuri = \"http://127.0.0.1:1/h\"\nsecret = \"hook-signing-secret\"\n\
+         [[routes]]\ndestinations = \"*\"\nsink = \"hooks\"\n",
+    )
+    .unwrap();
+    std::fs::write(d.join("plain.toml"), "batch_size = 50\n").unwrap();
+    std::fs::write(d.join("token"), "0123456789abcdef0123\n").unwrap();
+    for name in ["relay.toml", "plain.toml", "token"] {
+        set(name, 0o644);
+    }
+
+    let out = relay(d, &["--config", "relay.toml", "settings"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("the settings file relay.toml (it sets admin_token, sinks.hooks.secret) can be read by every user of this host (mode 0644)"),
+        "{err}"
+    );
+    assert!(err.contains("chmod 600 relay.toml"), "{err}");
+    assert!(
+        !err.contains("hook-signing-secret") && !err.contains("0123456789abcdef"),
+        "{err}"
+    );
+
+    let token = d.join("token");
+    let out = relay(
+        d,
+        &["--config", "plain.toml", "settings"],
+        &[("OUTBOX_RELAY_ADMIN_TOKEN_FILE", token.to_str().unwrap())],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!(
+            "the admin token file {} can be read by every user",
+            token.display()
+        )),
+        "{err}"
+    );
+    assert!(
+        !err.contains("plain.toml"),
+        "a settings file without a secret: {err}"
+    );
+
+    set("relay.toml", 0o640);
+    set("token", 0o600);
+    let out = relay(d, &["--config", "relay.toml", "settings"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("every user"), "{}", stderr(&out));
+    let out = relay(
+        d,
+        &["--config", "plain.toml", "settings"],
+        &[("OUTBOX_RELAY_ADMIN_TOKEN_FILE", token.to_str().unwrap())],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("every user"), "{}", stderr(&out));
+}
