@@ -39,8 +39,8 @@ pub fn read(path: &Path, what: &str, flag: &str) -> anyhow::Result<Secret> {
 /// The permission bits of the file at `path` when every user of the host may read it: the
 /// file grants others read and each directory above it lets them through (a private
 /// directory protects a file whatever its own mode). `None` when it is private to its owner
-/// and group, or cannot be inspected. Group read is left alone: the packages give the
-/// relay's group read on purpose.
+/// and group, or cannot be inspected. Group read is left alone: sharing a file with the
+/// relay's group (Kubernetes' `defaultMode: 0440`) is a choice.
 pub fn readable_by_everyone(path: &Path) -> Option<u32> {
     let path = std::fs::canonicalize(path).ok()?;
     let mode = std::fs::metadata(&path).ok()?.permissions().mode();
