@@ -28,7 +28,7 @@ pub fn blackhole_ddl(table: &str) -> String {
 }
 
 /// The names of the columns [`blackhole_ddl`] declares.
-fn blackhole_columns() -> impl Iterator<Item = &'static str> {
+pub(crate) fn blackhole_columns() -> impl Iterator<Item = &'static str> {
     MYSQL_EVENT_COLUMNS
         .lines()
         .chain([CREATED_AT])

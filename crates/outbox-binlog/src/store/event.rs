@@ -114,6 +114,24 @@ pub fn decode(row: &Row, mapping: &Mapping) -> Option<Captured> {
     })
 }
 
+/// The columns of the outbox table that its rows are read by: those the layout reads, of
+/// the BLACKHOLE table's columns alone in the table-less form (it has no id, lease or
+/// schedule). The relay's start checked that the table has each.
+pub fn needed_columns(mapping: &Mapping, blackhole: bool) -> Vec<String> {
+    read_columns(mapping)
+        .filter(|column| !blackhole || crate::schema::blackhole_columns().any(|c| c == *column))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The first of `needed` that `columns` (a row's table, as described) lacks.
+pub fn missing_column<'n>(needed: &'n [String], columns: &[String]) -> Option<&'n str> {
+    needed
+        .iter()
+        .find(|column| !columns.contains(column))
+        .map(String::as_str)
+}
+
 /// The columns of the outbox table the layout reads.
 fn read_columns(mapping: &Mapping) -> impl Iterator<Item = &str> {
     let state = match &mapping.state {
@@ -271,6 +289,36 @@ mod tests {
             ordinal: 1,
             logged_at: None,
         }
+    }
+
+    #[test]
+    fn the_columns_rows_are_read_by_are_the_layouts_and_of_a_blackhole_table_its_own() {
+        let native = Mapping::native_mysql(None, "outbox", false);
+        let needed = needed_columns(&native, false);
+        for column in ["sequence_id", "payload", "partition_key", "available_at"] {
+            assert!(needed.iter().any(|c| c == column), "{column} in {needed:?}");
+        }
+        let blackhole = needed_columns(&native, true);
+        assert!(blackhole.iter().any(|c| c == "payload"), "{blackhole:?}");
+        assert!(
+            !blackhole.iter().any(|c| c == "id" || c == "available_at"),
+            "{blackhole:?}"
+        );
+        let renamed: Vec<String> = needed
+            .iter()
+            .map(|c| c.replace("payload", "data"))
+            .collect();
+        assert_eq!(missing_column(&needed, &renamed), Some("payload"));
+        assert_eq!(missing_column(&needed, &needed), None);
+        let seed = Mapping::mysql_outbox_events(None, "outbox_events");
+        let columns: Vec<String> = needed_columns(&seed, false)
+            .into_iter()
+            .filter(|c| c != "isConsumed")
+            .collect();
+        assert_eq!(
+            missing_column(&needed_columns(&seed, false), &columns),
+            Some("isConsumed")
+        );
     }
 
     #[test]

@@ -55,7 +55,7 @@ mod sql;
 pub use sql::ADOPTED_DEAD;
 mod state;
 
-use event::{decode, Captured};
+use event::{decode, missing_column, needed_columns, Captured};
 use outbox_core::capture::{Sessions, SettleWatch};
 use sql::{Statements, PARK_PARAMS};
 use state::*;
@@ -325,6 +325,8 @@ impl BinlogStore {
             binlog: options.binlog.clone(),
             seat: options.seat.clone(),
             mapping: options.mapping.clone(),
+            needed: needed_columns(&options.mapping, options.blackhole),
+            columns_checked: None,
             adoption: if options.blackhole {
                 Vec::new()
             } else {
@@ -1668,6 +1670,11 @@ struct Reader {
     seat: SeatConfig,
     /// The outbox table's layout: what its rows are read by.
     mapping: Mapping,
+    /// The table's columns its rows are read by ([`needed_columns`]), and the last
+    /// description of the table found to have them all (a row's columns are shared until
+    /// the reader describes the table again, after an ALTER TABLE).
+    needed: Vec<String>,
+    columns_checked: Option<Arc<Vec<String>>>,
     adoption: Vec<String>,
     pool: Pool,
     sql: Statements,
@@ -2012,6 +2019,11 @@ impl Reader {
                 Step::Read(Ok(Some(output))) => {
                     pending = Some(match output {
                         Output::Row(row) => {
+                            if let Some(missing) = self.lacks_a_needed_column(&row.columns) {
+                                // Read as NULL, the row went out without its payload or
+                                // key, or was taken for delivered; it waits, unread.
+                                return self.broken(&capture, missing);
+                            }
                             transaction.row(0);
                             let Some(captured) = decode(&row, &self.mapping) else {
                                 // Inserted delivered (or dead) already: no event, nothing
@@ -2089,6 +2101,30 @@ impl Reader {
 
     /// The session broke for `reason`: what it settled past the stored position waits for
     /// the next one.
+    /// Why rows of a table described with `columns` cannot be read: it lacks a column
+    /// they are read by (renamed or dropped while the relay ran). Checked once per
+    /// description.
+    fn lacks_a_needed_column(&mut self, columns: &Arc<Vec<String>>) -> Option<String> {
+        if self
+            .columns_checked
+            .as_ref()
+            .is_some_and(|checked| Arc::ptr_eq(checked, columns))
+        {
+            return None;
+        }
+        if let Some(missing) = missing_column(&self.needed, columns) {
+            return Some(format!(
+                "the outbox table {}.{} has no column {missing} now, which the relay reads \
+                 its rows by (renamed or dropped by an ALTER TABLE while the relay ran): \
+                 rename it back, or map the new name (layout = \"custom\" and its [mapping]) and restart; the row \
+                 waits, and nothing after it is read",
+                self.binlog.database, self.binlog.table
+            ));
+        }
+        self.columns_checked = Some(columns.clone());
+        None
+    }
+
     fn broken(&mut self, capture: &Capture, reason: String) -> Ended {
         self.unstored.session_ended(capture.read_to());
         Ended::Broken(reason)

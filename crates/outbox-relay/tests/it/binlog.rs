@@ -509,6 +509,62 @@ async fn an_event_id_of_mariadbs_uuid_type_goes_out_as_the_table_shows_it() {
     assert_eq!(db.count("outbox_parked").await, 0, "nothing dead-lettered");
 }
 
+/// A column the relay reads rows by, renamed while it runs: the reader described the table
+/// again and read the column's value as NULL, so the next event went out without its payload
+/// and key and its row was deleted (a renamed state column of a seed's table made every row
+/// read as delivered, and nothing was said). The row waits, the reason is said, and once
+/// the column has its name back the event goes out whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_renamed_while_the_relay_runs_holds_its_rows_and_says_so() {
+    let db = BinlogDb::new().await;
+    let relay = db.reading("relay-1", "out.jsonl").await;
+    db.write(&["a"], 0, 1, true).await;
+    wait_for_lines(
+        "the first event",
+        &db.path("out.jsonl"),
+        Duration::from_secs(30),
+        |n| n >= 1,
+    )
+    .await;
+    let mut conn = db.pool.get_conn().await.unwrap();
+    conn.query_drop("ALTER TABLE outbox CHANGE payload data json NULL")
+        .await
+        .unwrap();
+    conn.query_drop(
+        "INSERT INTO outbox (destination, partition_key, event_type, data)
+         VALUES ('orders', 'a', 'T', JSON_OBJECT('n', 1))",
+    )
+    .await
+    .unwrap();
+    relay
+        .wait_for_log(
+            "the relay saying why it stopped reading",
+            Duration::from_secs(30),
+            "has no column payload now",
+        )
+        .await;
+    assert_eq!(
+        read_lines(&db.path("out.jsonl")).len(),
+        1,
+        "nothing more went out"
+    );
+    assert_eq!(db.count("outbox").await, 1, "the row waits");
+
+    conn.query_drop("ALTER TABLE outbox CHANGE data payload json NULL")
+        .await
+        .unwrap();
+    wait_for_lines(
+        "the held event once the column is back",
+        &db.path("out.jsonl"),
+        Duration::from_secs(30),
+        |n| n >= 2,
+    )
+    .await;
+    let sent = read_lines(&db.path("out.jsonl"));
+    assert_eq!(sent[1]["payload"]["n"], 1, "{}", sent[1]);
+    assert_eq!(sent[1]["partition_key"], "a", "{}", sent[1]);
+}
+
 /// A database whose name is no identifier (`shop-db`, quoted wherever it is named): `migrate`
 /// and `check` passed, and every `run --capture binlog` was refused ("invalid mapping
 /// schema"), the database name having been put in the outbox's mapping.
