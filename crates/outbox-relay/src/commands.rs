@@ -125,7 +125,13 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
     // relay still streaming, and is cut short, leaves slot and record as they were. Should
     // forgetting fail, the next session that makes the slot forgets it (it does whenever
     // the slot is missing), so the new slot still adopts the table's rows.
-    match outbox_wal::drop_slot(&wal).await {
+    let waiting = |reason: &str| {
+        eprintln!(
+            "waiting: {reason}: the relay streaming from it must stop first (stop it, or \
+             press Ctrl-C to leave the slot as it is)"
+        )
+    };
+    match outbox_wal::drop_slot(&wal, waiting).await {
         Ok(true) => match held {
             Some(held) => outln!(
                 "dropped the replication slot {}, which held back {held}",

@@ -624,10 +624,21 @@ async fn ensure_slot(
     Ok((created, confirmed_flush))
 }
 
-/// Drops the configured slot, waiting for an active consumer to release it first
-/// (`DROP_REPLICATION_SLOT ... WAIT`). Returns whether a slot was dropped. Over the
-/// replication protocol, so it needs the same role and connection settings as the stream.
-pub async fn drop_slot(config: &WalConfig) -> Result<bool, WalError> {
+/// How long [`drop_slot`] waits between tries while a session streams from the slot.
+const DROP_RETRY: Duration = Duration::from_secs(1);
+
+/// Drops the configured slot, waiting for an active consumer to release it first: tried
+/// again every second, `waiting` told the server's reason once. Returns whether a slot was
+/// dropped. Over the replication protocol, so it needs the same role and connection
+/// settings as the stream.
+///
+/// Not `DROP_REPLICATION_SLOT ... WAIT`: the server goes on waiting after the command is cut
+/// short (Ctrl-C, a timeout, a closed terminal), and dropped the slot under the next relay
+/// that streamed from it, losing the `outbox_emit` events written meanwhile.
+pub async fn drop_slot(
+    config: &WalConfig,
+    mut waiting: impl FnMut(&str),
+) -> Result<bool, WalError> {
     check_name(&config.slot, "slot")?;
     let mut client = connect_to_primary(&connect_options(config)?).await?;
     let slot = &config.slot;
@@ -645,14 +656,25 @@ pub async fn drop_slot(config: &WalConfig) -> Result<bool, WalError> {
             reason: format!("{cause}, so it is not this relay's and is left alone: {fix}"),
         });
     }
-    match client
-        .simple_query(&format!("DROP_REPLICATION_SLOT {slot} WAIT"))
-        .await
-    {
-        Ok(_) => Ok(true),
-        // undefined_object: there is no such slot.
-        Err(e) if e.sqlstate() == Some("42704") => Ok(false),
-        Err(e) => Err(e.into()),
+    let mut said = false;
+    loop {
+        match client
+            .simple_query(&format!("DROP_REPLICATION_SLOT {slot}"))
+            .await
+        {
+            Ok(_) => return Ok(true),
+            // undefined_object: there is no such slot.
+            Err(e) if e.sqlstate() == Some("42704") => return Ok(false),
+            // object_in_use: a session streams from it.
+            Err(e) if e.sqlstate() == Some("55006") => {
+                if !said {
+                    waiting(&e.to_string());
+                    said = true;
+                }
+                tokio::time::sleep(DROP_RETRY).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
 }
 

@@ -345,8 +345,8 @@ async fn rolled_back_rows_never_appear() {
     assert_eq!(delivered, vec![vec![2, 4], vec![6]]);
     stream.stop(Duration::from_secs(5)).await.unwrap();
     // The operator's drop waits for the stopped session to release the slot.
-    assert!(drop_slot(&fixture.config).await.unwrap());
-    assert!(!drop_slot(&fixture.config).await.unwrap());
+    assert!(drop_slot(&fixture.config, |_| {}).await.unwrap());
+    assert!(!drop_slot(&fixture.config, |_| {}).await.unwrap());
 }
 
 #[tokio::test]
