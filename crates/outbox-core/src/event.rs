@@ -100,6 +100,42 @@ impl Payload {
 /// string. The name is the relay's own: a row an application writes should not carry it.
 pub const PAYLOAD_KEPT_AS_TEXT: &str = "outbox-relay-payload-kept-as-text";
 
+/// The header of a dead letter kept for an event that could not be decoded (WAL capture's:
+/// a message or row the relay could not read as an event), its value the reason: its payload
+/// is the raw content, for inspection, and its type a placeholder. Such a row is never
+/// published: a retry finds it undecodable again ([`undecodable_dead_letter`]), as polling's
+/// retry of a row still wrong does. The name is the relay's own.
+pub const UNDECODABLE: &str = "outbox-relay-undecodable";
+
+/// The event type WAL capture gave the dead letter of an undecodable event, before it was
+/// marked with [`UNDECODABLE`].
+pub const UNDECODABLE_TYPE: &str = "(undecodable)";
+
+/// Why a stored row with these `headers` and `event_type` is the dead letter of an event that
+/// could not be decoded, which must not be published (its payload is the raw content).
+pub fn undecodable_dead_letter(headers: &Headers, event_type: &str) -> Option<String> {
+    let reason = match headers.get(UNDECODABLE) {
+        // The note below, made for an earlier retry, is said once.
+        Some(reason) => reason
+            .split(UNDECODABLE_NOTE)
+            .next()
+            .unwrap_or_default()
+            .to_string(),
+        // An earlier version's, unmarked.
+        None if event_type == UNDECODABLE_TYPE && headers.is_empty() => {
+            "it could not be read as an event".into()
+        }
+        None => return None,
+    };
+    Some(format!(
+        "{reason}{UNDECODABLE_NOTE}the raw content of an event that could not be decoded, not \
+         an event: write the event again, correctly, and purge this dead letter)"
+    ))
+}
+
+/// Where [`undecodable_dead_letter`]'s note on a reason begins.
+const UNDECODABLE_NOTE: &str = " (this dead letter holds ";
+
 impl Serialize for Payload {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         match self {
@@ -249,6 +285,26 @@ pub fn attempts_of(stored: i64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_dead_letter_of_an_undecodable_event_is_told_once_however_often_retried() {
+        let marked = |reason: &str| Headers::from([(UNDECODABLE.to_string(), reason.to_string())]);
+        let first = undecodable_dead_letter(&marked("headers must be a JSON object"), "T").unwrap();
+        assert!(
+            first.starts_with("headers must be a JSON object (this dead letter holds"),
+            "{first}"
+        );
+        let again = undecodable_dead_letter(&marked(&first), "T").unwrap();
+        assert_eq!(again, first);
+        let earlier = undecodable_dead_letter(&Headers::new(), UNDECODABLE_TYPE).unwrap();
+        assert!(
+            earlier.starts_with("it could not be read as an event"),
+            "{earlier}"
+        );
+        assert_eq!(undecodable_dead_letter(&Headers::new(), "T"), None);
+        let other = Headers::from([("h".to_string(), "v".to_string())]);
+        assert_eq!(undecodable_dead_letter(&other, UNDECODABLE_TYPE), None);
+    }
 
     #[test]
     fn attempt_counts_saturate_instead_of_wrapping() {

@@ -148,6 +148,10 @@ pub(crate) fn row_to_claimed(sequence_id: i64, row: &Row) -> Claimed {
             Some(text) => Payload::from_json_text(text)?,
         }
         .restore_kept(&mut headers)?;
+        let event_type: String = column(row, 4)?;
+        if let Some(reason) = outbox_core::event::undecodable_dead_letter(&headers, &event_type) {
+            return Err(reason);
+        }
         let created_at = column::<PgMicros>(row, 10)?.unix_micros();
         if let Some(problem) = outbox_core::time::created_at_problem(created_at) {
             return Err(problem);
@@ -157,7 +161,7 @@ pub(crate) fn row_to_claimed(sequence_id: i64, row: &Row) -> Claimed {
             event_id: column(row, 1)?,
             destination: column(row, 2)?,
             partition_key: partition_key.clone(),
-            event_type: column(row, 4)?,
+            event_type,
             payload,
             headers,
             mutation_id: column(row, 7)?,

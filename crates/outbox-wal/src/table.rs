@@ -283,6 +283,18 @@ impl OutboxColumns {
             None => Headers::new(),
             Some(json) => outbox_core::event::headers_from_json_text(json).map_err(&undecodable)?,
         };
+        let event_type = required(self.event_type, "event_type")?;
+        // A dead letter of an undecodable event, retried (`dead retry` writes it back to the
+        // outbox): its payload is the raw content it kept, no event's.
+        if let Some(reason) = outbox_core::event::undecodable_dead_letter(&headers, event_type) {
+            let mut dead = undecodable(reason);
+            if let Payload::Json(kept) = &payload {
+                if let Ok(raw) = serde_json::from_str::<String>(kept.get()) {
+                    dead.raw = raw;
+                }
+            }
+            return Err(dead);
+        }
         if let Some(text) = optional(self.span_context, "span context")? {
             add_span_context(&mut headers, text);
         }
@@ -313,7 +325,7 @@ impl OutboxColumns {
                     0,
                     event_id,
                     required(self.destination, "destination")?,
-                    required(self.event_type, "event_type")?,
+                    event_type,
                     payload,
                 )
             },

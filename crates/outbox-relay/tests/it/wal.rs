@@ -5353,3 +5353,61 @@ async fn dead_list_shows_a_table_less_events_dead_letter() {
     assert_success("dead list --after a negative id", &paged);
     assert_eq!(text(&paged.stdout).lines().count(), 1);
 }
+
+/// `dead retry` of an event WAL capture could not decode (headers that are no JSON object):
+/// its dead letter holds the raw content under a placeholder type, and the retry published
+/// that under the event's id, so a consumer deduplicating by id would drop the event once
+/// written again, fixed. It is found undecodable again and stays dead, as polling's does.
+#[tokio::test]
+async fn a_retried_dead_letter_of_an_undecodable_event_is_not_published() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    let mut streaming = w.streaming_with_a_first_event(&out).await;
+    w.db.execute(
+        "SELECT outbox_emit('orders', 'h', 'Odd', '{\"n\": 1}', '[1, 2]')::text",
+        &[],
+    )
+    .await
+    .unwrap();
+    let dead = "SELECT count(*) FROM outbox_dead_letters";
+    wait_for_rows(
+        &streaming,
+        "the undecodable event dead-lettered",
+        &w.db,
+        dead,
+        1,
+    )
+    .await;
+    let retried = relay(
+        w.dir.path(),
+        &[
+            &["dead", "retry", "--all"][..],
+            &capture_flags(&w.url, &w.slot),
+        ]
+        .concat(),
+    );
+    assert_success("dead retry", &retried);
+    let said_again = "SELECT count(*) FROM outbox_dead_letters
+                       WHERE last_error LIKE '%holds the raw content of an event%'";
+    eventually_explained(
+        "the retried dead letter found undecodable again, or published",
+        Duration::from_secs(60),
+        || streaming.logs(),
+        || async {
+            let again = query_count(&w.db, said_again, &[]).await.ok() == Some(1);
+            let published = read_lines(&out).len() > 1;
+            (again || published).then_some(())
+        },
+    )
+    .await;
+    let sent = read_lines(&out);
+    assert_eq!(sent.len(), 1, "only the first event: {sent:?}");
+    let reason: String =
+        w.db.query_one("SELECT last_error FROM outbox_dead_letters", &[])
+            .await
+            .unwrap()
+            .get(0);
+    assert!(reason.contains("headers"), "{reason}");
+    let status = streaming.terminate().await;
+    assert!(status.success(), "{status:?}");
+}

@@ -4,7 +4,7 @@
 //! is made visible in a dead letter, and such an event is never parked.
 
 use super::*;
-use outbox_core::event::PAYLOAD_KEPT_AS_TEXT;
+use outbox_core::event::{PAYLOAD_KEPT_AS_TEXT, UNDECODABLE, UNDECODABLE_TYPE};
 
 /// Undecodable events as the parameters of the dead-letter statement, with no attempt
 /// made.
@@ -140,11 +140,14 @@ impl EventColumns {
         self.destinations
             .push(visible_nul(u.destination.as_deref().unwrap_or_default()));
         self.keys.push(u.partition_key.as_deref().map(visible_nul));
-        self.types.push("(undecodable)".into());
+        self.types.push(UNDECODABLE_TYPE.into());
         // A message's bytes as (lossy) text: NULs shown, as jsonb stores no \u0000.
         self.payloads
             .push(serde_json::to_string(&visible_nul(&u.raw)).ok());
-        self.headers.push("{}".into());
+        // Marked, so that a retry finds it undecodable again instead of publishing it.
+        let marker = std::collections::BTreeMap::from([(UNDECODABLE, visible_nul(&u.reason))]);
+        let headers = serde_json::to_string(&marker).unwrap_or_else(|_| "{}".into());
+        self.headers.push(storable_json(&headers));
         self.mutations.push(None);
         self.rejected.push(false);
         self.created.push(SystemTime::now());
