@@ -1022,19 +1022,32 @@ impl<D: MappedDb> MappedStore<D> {
                 fix,
             )]);
         }
-        let mut problems: Vec<Problem> = m
-            .columns()
-            .into_iter()
-            .filter(|column| !present.contains(*column))
-            .map(|column| {
-                Problem::blocking(
-                    format!(
+        let mut problems: Vec<Problem> = Vec::new();
+        // The nodes table this relay names (a later `nodes_table` than `migrate` made): `run`
+        // failed on it while `check` said ok.
+        if let Some(nodes) = db.nodes() {
+            if let Err(e) = nodes.live_nodes().await {
+                if e.kind() == StoreErrorKind::MissingSchema {
+                    problems.push(Problem::blocking(
+                        format!("the nodes table: {}", outbox_core::error::report(&e)),
+                        fix.clone(),
+                    ));
+                }
+            }
+        }
+        problems.extend(
+            m.columns()
+                .into_iter()
+                .filter(|column| !present.contains(*column))
+                .map(|column| {
+                    Problem::blocking(
+                        format!(
                         "table {table} has no column {column:?}, which the {layout} layout maps"
                     ),
-                    fix.clone(),
-                )
-            })
-            .collect();
+                        fix.clone(),
+                    )
+                }),
+        );
         problems.extend(
             crate::column_types::problems(m, D::DIALECT, &types)
                 .into_iter()

@@ -283,6 +283,9 @@ impl PgStore {
         let result = async {
             let steps = self.inner.tables.steps();
             let found = session.apply(&self.outbox_component(&steps)).await?;
+            if let Some(nodes) = self.inner.tables.nodes_table_where_missing() {
+                session.batch(&nodes).await?;
+            }
             if found.version() > steps.latest() {
                 // A newer relay migrated it, perhaps while this one waited for the lock (a
                 // rolling upgrade): judged as `run` judges it, and its wake-up trigger,

@@ -354,6 +354,27 @@ ALTER TABLE {nodes} ADD COLUMN IF NOT EXISTS {column};"
         Steps::new("outbox", steps)
     }
 
+    /// The native nodes table as the steps leave it, where missing: `migrate` makes it
+    /// after the steps, for a `nodes_table` named after they ran (the first step made the one
+    /// named then, and `migrate` told to run `migrate`). Keep it in step with the steps'
+    /// `nodes_column`s.
+    pub fn nodes_table_where_missing(&self) -> Option<String> {
+        if !self.native_nodes {
+            return None;
+        }
+        Some(format!(
+            "{}
+CREATE TABLE IF NOT EXISTS {} (
+    id               text PRIMARY KEY,
+    expiry           timestamp without time zone NOT NULL,
+    protocol         integer,
+    partitions_table text
+);",
+            outbox_layout::sql::pg_create_schema(&self.nodes.schema.quoted()),
+            self.nodes.quoted()
+        ))
+    }
+
     /// Everything `migrate` creates on a database with none of it, as `migrate --print`
     /// shows it without a database: the version table, every step (each followed by the
     /// version it reaches), and the wake-up trigger.

@@ -1205,3 +1205,66 @@ async fn a_drain_that_meets_a_row_it_cannot_delete_names_it_and_leaves_no_other_
         "every published row deleted but the refused one"
     );
 }
+
+/// A `nodes_table` named after the outbox was migrated (each outbox on a database its own,
+/// as README's many outboxes ask): `migrate` made it only in its first step, which an
+/// existing schema had run, so `migrate` said "migrated" (MariaDB) or told to run `migrate`
+/// (PostgreSQL), `check` passed on MariaDB, and `run` failed telling to migrate. `check`
+/// names it, and `migrate` makes it as its steps would have.
+#[tokio::test]
+async fn a_nodes_table_named_after_the_outbox_was_migrated_is_made_by_migrate() {
+    use mysql_async::prelude::Queryable;
+    let check = |url: &str| {
+        Command::new(BIN)
+            .args([
+                "check",
+                "--database-url",
+                url,
+                "--nodes-table",
+                "later_nodes",
+            ])
+            .output()
+            .unwrap()
+    };
+    let pg_url = outbox_testkit::fresh_pg_database().await;
+    let my_url = outbox_testkit::fresh_mysql_database().await;
+    for url in [&pg_url, &my_url] {
+        migrate_with(url, &["--nodes-table", "first_nodes"]);
+        let out = check(url);
+        let said = String::from_utf8_lossy(&out.stderr).to_string()
+            + &String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{url}: {said}");
+        assert!(said.contains("later_nodes"), "{url}: {said}");
+        migrate_with(url, &["--nodes-table", "later_nodes"]);
+        let out = check(url);
+        assert!(
+            out.status.success(),
+            "{url}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    // Made as the steps made the first one.
+    let columns = "SELECT table_name::text, column_name::text, data_type::text, is_nullable::text
+                     FROM information_schema.columns
+                    WHERE table_name IN ('first_nodes', 'later_nodes')
+                    ORDER BY ordinal_position";
+    let rows = pg(&pg_url).await.query(columns, &[]).await.unwrap();
+    let of = |table: &str| -> Vec<(String, String, String)> {
+        rows.iter()
+            .filter(|r| r.get::<_, String>(0) == table)
+            .map(|r| (r.get(1), r.get(2), r.get(3)))
+            .collect()
+    };
+    assert_eq!(of("later_nodes"), of("first_nodes"));
+    let mut conn = mysql_async::Conn::from_url(&my_url).await.unwrap();
+    let shape = |table: &'static str| {
+        format!(
+            "SELECT column_name, column_type, is_nullable FROM information_schema.columns
+              WHERE table_schema = DATABASE() AND table_name = '{table}' ORDER BY ordinal_position"
+        )
+    };
+    let first: Vec<(String, String, String)> = conn.query(shape("first_nodes")).await.unwrap();
+    let later: Vec<(String, String, String)> = conn.query(shape("later_nodes")).await.unwrap();
+    assert_eq!(later, first);
+    assert!(!first.is_empty());
+}
