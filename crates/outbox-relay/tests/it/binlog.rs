@@ -344,6 +344,14 @@ async fn check_passes_on_a_server_ready_for_binlog_capture() {
         checked.contains("binlog_row_metadata = 'FULL'"),
         "{checked}"
     );
+    // It writes InnoDB's log once a second (innodb_flush_log_at_trx_commit = 0), for
+    // speed: the advice says a crash of its process is enough to lose what was delivered,
+    // where it spoke of the host's alone.
+    assert!(
+        checked
+            .contains("innodb_flush_log_at_trx_commit is 0: a crash of the server's process alone"),
+        "{checked}"
+    );
 }
 
 /// A server keeps one binary log reader per server id. `check` names another outbox's
