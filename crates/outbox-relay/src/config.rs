@@ -1088,10 +1088,14 @@ fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
             );
             let shown = redact_url(&database);
             if (&ta.outbox_schema, &ta.outbox_table) == (&tb.outbox_schema, &tb.outbox_table) {
+                // MySQL's tables are the URL's database's: it has no schema to name.
+                let table = match a.config.database.database_kind() {
+                    Ok(DatabaseKind::MySql) => ta.outbox_table.clone(),
+                    _ => format!("{}.{}", ta.outbox_schema, ta.outbox_table),
+                };
                 return Err(format!(
-                    "{pair} both relay {}.{} of {shown}: each table is one outbox; remove one, \
-                     or give it its own outbox_table (or outbox_schema)",
-                    ta.outbox_schema, ta.outbox_table
+                    "{pair} both relay {table} of {shown}: each table is one outbox; remove \
+                     one, or give it its own outbox_table (or outbox_schema)"
                 ));
             }
             let sqlite = matches!(
@@ -1917,6 +1921,16 @@ mod tests {
         let err = refused(&two(pg, pg_other_user));
         assert!(err.contains("both relay public.outbox"), "{err}");
         assert!(!err.contains("secret"), "{err}");
+        // One MySQL server, its host spelled two ways, one outbox polling and one reading
+        // the binary log: both ran, each relaying every event. MySQL's table has no schema.
+        let err = refused(&two(
+            "database_url = \"mysql://root@127.0.0.1:3306/app1\"\ncapture = \"binlog\"",
+            "database_url = \"mysql://root@localhost:3306/app1\"",
+        ));
+        assert!(
+            err.contains("both relay outbox of mysql://localhost:3306/app1"),
+            "{err}"
+        );
         let err = refused(&two(
             pg,
             &format!("{pg_other_user}\noutbox_table = \"billing\""),

@@ -317,6 +317,8 @@ impl DatabaseSettings {
         let rest = without_user_info(rest);
         let rest = rest.split(['?', '#']).next().unwrap_or(rest);
         let (host, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        let host = same_host(host);
+        let host = host.as_str();
         let (scheme, port) = match scheme {
             "postgres" | "postgresql" => ("postgres", "5432"),
             _ => ("mysql", "3306"),
@@ -487,6 +489,32 @@ impl DatabaseSettings {
 fn without_user_info(after_scheme: &str) -> &str {
     outbox_core::redact::user_info_end(after_scheme)
         .map_or(after_scheme, |at| &after_scheme[at + 1..])
+}
+
+/// `host` (with its port, if any) as one server is spelled whichever way a URL names it:
+/// host names are not case-sensitive, and the loopback has many names (`localhost`,
+/// `127.0.0.1`, `[::1]`). Two outboxes of one table named `127.0.0.1` and `localhost` were
+/// both run, each relaying every event.
+fn same_host(host: &str) -> String {
+    let (name, port) = match host.rsplit_once(':') {
+        Some((name, port)) if !port.contains(']') && !name.is_empty() => (name, Some(port)),
+        _ => (host, None),
+    };
+    let name = name.to_ascii_lowercase();
+    let loopback = name == "localhost"
+        || name == "[::1]"
+        || name
+            .parse::<std::net::Ipv4Addr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    let name = if loopback {
+        "localhost".to_string()
+    } else {
+        name
+    };
+    match port {
+        Some(port) => format!("{name}:{port}"),
+        None => name,
+    }
 }
 
 #[cfg(test)]
@@ -688,5 +716,20 @@ mod tests {
         // in errors).
         assert_eq!(identity("postgres://relay:Zx9/Qw+e@db/app?x=1"), shown);
         assert_eq!(identity("postgres://relay:a#b?c@db/app"), shown);
+        // One server, however its host is spelled.
+        assert_eq!(
+            identity("mysql://u@127.0.0.1:3306/app"),
+            identity("mysql://u@LocalHost/app")
+        );
+        assert_eq!(
+            identity("postgres://u@[::1]/app"),
+            identity("postgres://u@127.0.0.2:5432/app")
+        );
+        assert_eq!(identity("postgres://u@DB/app"), shown);
+        assert_ne!(identity("postgres://u@db2/app"), shown);
+        assert_ne!(
+            identity("postgres://u@localhost:5433/app").1,
+            identity("postgres://u@localhost/app").1
+        );
     }
 }
