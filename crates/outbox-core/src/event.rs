@@ -128,13 +128,13 @@ pub fn undecodable_dead_letter(headers: &Headers, event_type: &str) -> Option<St
         None => return None,
     };
     Some(format!(
-        "{reason}{UNDECODABLE_NOTE}the raw content of an event that could not be decoded, not \
-         an event: write the event again, correctly, and purge this dead letter)"
+        "{reason}{UNDECODABLE_NOTE}what could be read of an event that could not be decoded, \
+         no event to publish: write the event again, correctly, and purge this dead letter)"
     ))
 }
 
 /// Where [`undecodable_dead_letter`]'s note on a reason begins.
-const UNDECODABLE_NOTE: &str = " (this dead letter holds ";
+const UNDECODABLE_NOTE: &str = " (this dead letter keeps ";
 
 impl Serialize for Payload {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
@@ -291,7 +291,7 @@ mod tests {
         let marked = |reason: &str| Headers::from([(UNDECODABLE.to_string(), reason.to_string())]);
         let first = undecodable_dead_letter(&marked("headers must be a JSON object"), "T").unwrap();
         assert!(
-            first.starts_with("headers must be a JSON object (this dead letter holds"),
+            first.starts_with("headers must be a JSON object (this dead letter keeps"),
             "{first}"
         );
         let again = undecodable_dead_letter(&marked(&first), "T").unwrap();

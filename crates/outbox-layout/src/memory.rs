@@ -278,6 +278,14 @@ pub fn decode(
         None => Ok(Default::default()),
         Some(text) => headers_from_json_text(&text),
     }
+    // The dead letter of an event a capture could not decode, retried: no event to publish.
+    .and_then(|h| {
+        let event_type = raw.event_type.as_deref().unwrap_or_default();
+        match outbox_core::event::undecodable_dead_letter(&h, event_type) {
+            Some(reason) => Err(reason),
+            None => Ok(h),
+        }
+    })
     .map(|h| {
         let (traceparent, tracestate) = match &mapping.span_context {
             Some(_) => outbox_core::trace::from_java_properties(

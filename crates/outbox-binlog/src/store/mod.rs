@@ -1366,13 +1366,15 @@ fn park_values(park: &Park, body: &Body, params: &mut Vec<Value>) {
             ]);
         }
         // Its destination and key may be what made it undecodable (too long to park).
+        // Marked, so that a retry finds it undecodable again instead of publishing an
+        // empty event under its id (a BLACKHOLE row is nowhere else to read it from).
         Body::Undecodable(u) => params.extend([
             text(&u.event_id.unwrap_or_else(uuid::Uuid::new_v4).to_string()),
             text(fitted(u.destination.as_deref().unwrap_or(""))),
             opt(u.partition_key.as_deref().map(fitted)),
-            text(""),
+            text(outbox_core::event::UNDECODABLE_TYPE),
             Value::NULL,
-            text("{}"),
+            text(&undecodable_marker(&u.reason)),
             Value::NULL,
             Value::from(false),
             created(SystemTime::now()).map_or(Value::NULL, Value::from),
@@ -1385,6 +1387,14 @@ fn park_values(park: &Park, body: &Body, params: &mut Vec<Value>) {
         opt(park.error.as_deref().map(fitted_error)),
         Value::from(park.dead),
     ]);
+}
+
+/// The headers of an undecodable event's dead letter: [`outbox_core::event::UNDECODABLE`]
+/// with the reason (cut to what a JSON column comfortably holds).
+fn undecodable_marker(reason: &str) -> String {
+    let marker =
+        std::collections::BTreeMap::from([(outbox_core::event::UNDECODABLE, fitted_error(reason))]);
+    serde_json::to_string(&marker).unwrap_or_else(|_| "{}".into())
 }
 
 /// The characters of an error the parked table's `last_error` (`text`: 65,535 bytes) holds

@@ -57,6 +57,12 @@ impl BinlogDb {
         self.dir.path().join(name)
     }
 
+    /// The count a `SELECT count(*) …` statement gives.
+    async fn count_where(&self, statement: &str) -> i64 {
+        let mut conn = self.pool.get_conn().await.unwrap();
+        conn.query_first(statement).await.unwrap().unwrap()
+    }
+
     async fn count(&self, table: &str) -> i64 {
         let mut conn = self.pool.get_conn().await.unwrap();
         conn.query_first(format!("SELECT count(*) FROM {table}"))
@@ -840,6 +846,69 @@ async fn blackhole_outbox() -> (String, mysql_async::Conn) {
         .await
         .unwrap();
     (url, conn)
+}
+
+/// `dead retry` of a BLACKHOLE row binlog capture could not decode (headers that are no
+/// JSON object): its dead letter held an empty type and no payload, and the retry published
+/// that under the event's id, so consumers deduplicating by id would drop the event once
+/// written again, fixed. It is found undecodable again and stays dead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_dead_letter_of_an_undecodable_row_is_not_published() {
+    let (url, mut conn) = blackhole_outbox().await;
+    let db = BinlogDb::at(&url, &[]).await;
+    let relay = db.reading("relay-1", "out.jsonl").await;
+    conn.query_drop(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, headers)
+              VALUES ('orders', 'odd', 'T', JSON_OBJECT('n', 1), '[1]');
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+              VALUES ('orders', 'a', 'T', JSON_OBJECT('n', 2));",
+    )
+    .await
+    .unwrap();
+    wait_for_lines(
+        "the decodable event",
+        &db.path("out.jsonl"),
+        Duration::from_secs(30),
+        |n| n >= 1,
+    )
+    .await;
+    let dead = "SELECT count(*) FROM outbox_parked WHERE dead_at IS NOT NULL";
+    eventually_explained(
+        "the undecodable row dead-lettered",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || async { (db.count_where(dead).await == 1).then_some(()) },
+    )
+    .await;
+    let retried = relay_ok(
+        db.dir.path(),
+        &[
+            "dead",
+            "retry",
+            "--all",
+            "--capture",
+            "binlog",
+            "--database-url",
+            &url,
+        ],
+    );
+    assert!(retried.contains("moved 1"), "{retried}");
+    let said_again = "SELECT count(*) FROM outbox_parked
+                       WHERE dead_at IS NOT NULL
+                         AND last_error LIKE '%keeps what could be read of an event%'";
+    eventually_explained(
+        "the retried dead letter found undecodable again, or published",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || async {
+            let again = db.count_where(said_again).await == 1;
+            let published = read_lines(&db.path("out.jsonl")).len() > 1;
+            (again || published).then_some(())
+        },
+    )
+    .await;
+    let sent = read_lines(&db.path("out.jsonl"));
+    assert_eq!(sent.len(), 1, "only the decodable event: {sent:?}");
 }
 
 /// The table-less form through the binary, as the README tells it: the outbox created
