@@ -683,8 +683,9 @@ impl CaptureStatements {
             forget_adoption_of_missing_slot: format!(
                 "DELETE FROM {} WHERE slot = $1 AND NOT EXISTS
                    (SELECT FROM pg_catalog.pg_replication_slots WHERE slot_name = $1)
-                 RETURNING slot",
-                tables.adopted.quoted()
+                 RETURNING slot, (SELECT up_to::text FROM {} WHERE slot = $1)",
+                tables.adopted.quoted(),
+                tables.marks.quoted()
             ),
             // With each key the text size of its largest row (the whole row's, an upper
             // bound of what it costs in memory): parked claims are sized by it.

@@ -4960,6 +4960,19 @@ async fn readyz_says_when_the_slot_is_gone_and_the_relay_does_not_recreate_it() 
         },
     )
     .await;
+    // Restarted, the relay makes the slot again and adopts the table's rows, and says from
+    // where `outbox_emit` events, which no table keeps, are lost (a promoted standby's case).
+    let mut relay = relay;
+    assert!(relay.terminate().await.success(), "{}", relay.logs());
+    let mut again = w.spawn("relay-again", &out, &[]);
+    again
+        .wait_for_log(
+            "the restarted relay saying what is lost",
+            Duration::from_secs(60),
+            "outbox_emit events committed after about ",
+        )
+        .await;
+    assert!(again.terminate().await.success(), "{}", again.logs());
 }
 
 #[tokio::test]

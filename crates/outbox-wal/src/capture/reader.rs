@@ -289,8 +289,13 @@ impl Reader {
             )
             .await
             .map_err(|e| format!("forgetting the adoption of a missing slot: {}", e.report()))?;
-        if !forgotten.is_empty() {
-            tracing::warn!(%slot, "the slot no longer exists but its adoption was recorded (dropped with SQL, or a promoted standby): the slot created now adopts the rows still in the table");
+        if let Some(row) = forgotten.first() {
+            // The events of the old slot's stream alone: in no table, so nothing adopts them.
+            let since = row
+                .get::<_, Option<String>>(1)
+                .map(|mark| format!("after about {mark} (the last position a relay recorded)"))
+                .unwrap_or_else(|| "since the old slot's confirmed position".into());
+            tracing::warn!(%slot, "the slot no longer exists but its adoption was recorded (dropped with SQL, or a promoted standby): the slot created now adopts the rows still in the table; outbox_emit events committed {since} and before the new slot were in the old slot's stream alone, and are lost");
         }
         Ok(())
     }
