@@ -89,6 +89,16 @@ pub const LOGIN_REFUSED_HINT: &str = "the server refused the relay's login: a wr
     rotated password in the URL, a pg_hba.conf line that rejects this host or user, or a role \
     without LOGIN (ALTER ROLE <role> LOGIN); fix it and start the relay again";
 
+/// The fix when the server turned away a connection for a connection limit (SQLSTATE 53300):
+/// the server's, the role's or the database's. It was taken for a server that does not
+/// answer ("check that the database is running and the URL's host…").
+pub const CONNECTION_LIMIT_HINT: &str = "a connection limit is reached: the server's \
+    max_connections, or the role's or the database's CONNECTION LIMIT (as an administrator: \
+    SELECT rolconnlimit FROM pg_roles WHERE rolname = '<the relay's role>'; SELECT datconnlimit \
+    FROM pg_database WHERE datname = '<the database>'); the relay opens up to pool_size connections and a few of its own \
+    (LISTEN, the cluster's heartbeats, WAL capture's replication session): raise the limit, or \
+    lower --pool-size; the relay retries meanwhile";
+
 /// The fix when the server turned away a connection for not using TLS.
 pub const TLS_REQUIRED_HINT: &str = "the server accepts only TLS connections from this host: \
     use sslmode=require in the URL (or verify-full, with --database-ca-file for a private CA)";
@@ -122,6 +132,10 @@ pub fn db_error(context: &str, error: tokio_postgres::Error) -> StoreError {
         {
             StoreError::new(kind, format!("{context}: {}", db.message()))
                 .with_hint(LOGIN_REFUSED_HINT)
+        }
+        Some(db) if *db.code() == SqlState::TOO_MANY_CONNECTIONS => {
+            StoreError::new(kind, format!("{context}: {}", db.message()))
+                .with_hint(CONNECTION_LIMIT_HINT)
         }
         Some(db) if *db.code() == SqlState::READ_ONLY_SQL_TRANSACTION => {
             StoreError::new(kind, format!("{context}: {}", db.message())).with_hint(READ_ONLY_HINT)

@@ -698,6 +698,44 @@ async fn check_exits_2_for_a_database_or_role_that_does_not_exist() {
     }
 }
 
+/// A role at its connection limit (`ALTER ROLE … CONNECTION LIMIT`): the refusal was taken
+/// for a server that does not answer, and the fix told to check that the database runs and
+/// the URL's host. It names the limits to look at.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_at_its_connection_limit_is_told_the_limit_not_the_network() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let admin = pg(&url).await;
+    let role = format!("limited_{}", std::process::id());
+    admin
+        .batch_execute(&format!(
+            "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN CONNECTION LIMIT 0"
+        ))
+        .await
+        .unwrap();
+    let (_, rest) = url.split_once('@').unwrap();
+    let limited = format!("postgres://{role}@{rest}");
+    let out = Command::new(BIN)
+        .args(["check", "--database-url", &limited])
+        .output()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    admin
+        .batch_execute(&format!("DROP ROLE {role}"))
+        .await
+        .unwrap();
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("too many connections for role")
+            && said.contains("CONNECTION LIMIT")
+            && !said.contains("check that the database is running"),
+        "{said}"
+    );
+}
+
 /// A role that may create tables in `public` but not schemas in the database (PostgreSQL
 /// 15's usual grant: CREATE on the schema): `migrate` failed, "permission denied for
 /// database", for `CREATE SCHEMA IF NOT EXISTS public` asks for the database's CREATE
