@@ -15,8 +15,8 @@ use mysql_async::prelude::Queryable;
 use outbox_testkit::{eventually, eventually_explained};
 
 use crate::support::{
-    http_addr, http_get, metric_value, nats_behind_a_proxy, read_lines, relay, relay_ok, text,
-    wait_for_lines, RelayProcess, RETRY_AN_OUTAGE,
+    await_dead_again_or_published, http_addr, http_get, metric_value, nats_behind_a_proxy,
+    read_lines, relay, relay_ok, text, wait_for_lines, RelayProcess, RETRY_AN_OUTAGE,
 };
 
 /// The log line of a relay that reads the binary log.
@@ -896,16 +896,9 @@ async fn a_retried_dead_letter_of_an_undecodable_row_is_not_published() {
     let said_again = "SELECT count(*) FROM outbox_parked
                        WHERE dead_at IS NOT NULL
                          AND last_error LIKE '%keeps what could be read of an event%'";
-    eventually_explained(
-        "the retried dead letter found undecodable again, or published",
-        Duration::from_secs(30),
-        || relay.logs(),
-        || async {
-            let again = db.count_where(said_again).await == 1;
-            let published = read_lines(&db.path("out.jsonl")).len() > 1;
-            (again || published).then_some(())
-        },
-    )
+    await_dead_again_or_published(&relay, &db.path("out.jsonl"), 1, || async {
+        db.count_where(said_again).await == 1
+    })
     .await;
     let sent = read_lines(&db.path("out.jsonl"));
     assert_eq!(sent.len(), 1, "only the decodable event: {sent:?}");

@@ -685,16 +685,8 @@ async fn check_exits_2_for_a_database_or_role_that_does_not_exist() {
         (format!("postgres://outbox_no_such_role@{host}/postgres"), 2),
         ("postgres://postgres@127.0.0.1:1/postgres".to_string(), 1),
     ] {
-        let out = std::process::Command::new(crate::support::BIN)
-            .args(["check", "--database-url", &url])
-            .output()
-            .unwrap();
-        let said = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert_eq!(out.status.code(), Some(code), "{url}: {said}");
+        let (exit, said) = check_at(&url);
+        assert_eq!(exit, Some(code), "{url}: {said}");
     }
 }
 
@@ -714,20 +706,12 @@ async fn a_role_at_its_connection_limit_is_told_the_limit_not_the_network() {
         .unwrap();
     let (_, rest) = url.split_once('@').unwrap();
     let limited = format!("postgres://{role}@{rest}");
-    let out = Command::new(BIN)
-        .args(["check", "--database-url", &limited])
-        .output()
-        .unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (exit, said) = check_at(&limited);
     admin
         .batch_execute(&format!("DROP ROLE {role}"))
         .await
         .unwrap();
-    assert!(!out.status.success(), "{said}");
+    assert_ne!(exit, Some(0), "{said}");
     assert!(
         said.contains("too many connections for role")
             && said.contains("CONNECTION LIMIT")

@@ -23,9 +23,9 @@ use serde_json::Value;
 use tokio_postgres::{Client, GenericClient};
 
 use crate::support::{
-    http_addr, http_get, metric_value, nats_behind_a_proxy, pg, read_lines, readyz, relay, text,
-    wait_for_lines, Deliveries, Delivery, Figures, Ledger, OwnPostgres, RelayProcess, Writers,
-    RETRY_AN_OUTAGE,
+    await_dead_again_or_published, http_addr, http_get, metric_value, nats_behind_a_proxy, pg,
+    read_lines, readyz, relay, text, wait_for_lines, Deliveries, Delivery, Figures, Ledger,
+    OwnPostgres, RelayProcess, Writers, RETRY_AN_OUTAGE,
 };
 
 /// The log line of a relay whose replication session streams.
@@ -5402,16 +5402,9 @@ async fn a_retried_dead_letter_of_an_undecodable_event_is_not_published() {
     assert_success("dead retry", &retried);
     let said_again = "SELECT count(*) FROM outbox_dead_letters
                        WHERE last_error LIKE '%keeps what could be read of an event%'";
-    eventually_explained(
-        "the retried dead letter found undecodable again, or published",
-        Duration::from_secs(60),
-        || streaming.logs(),
-        || async {
-            let again = query_count(&w.db, said_again, &[]).await.ok() == Some(1);
-            let published = read_lines(&out).len() > 1;
-            (again || published).then_some(())
-        },
-    )
+    await_dead_again_or_published(&streaming, &out, 1, || async {
+        query_count(&w.db, said_again, &[]).await.ok() == Some(1)
+    })
     .await;
     let sent = read_lines(&out);
     assert_eq!(sent.len(), 1, "only the first event: {sent:?}");

@@ -226,6 +226,30 @@ pub async fn try_pg(url: &str) -> Result<tokio_postgres::Client, tokio_postgres:
 }
 
 /// JSON lines of a sink file; a torn line (from a kill -9 mid-write) is skipped.
+/// After `dead retry` of an undecodable event's dead letter: waits until `dead_again` says
+/// the relay found it undecodable again, or the sink file `out` holds more than `sent`
+/// lines (it was published: the caller's assertion then says so).
+pub async fn await_dead_again_or_published<F, Fut>(
+    relay: &RelayProcess,
+    out: &Path,
+    sent: usize,
+    dead_again: F,
+) where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    eventually_explained(
+        "the retried dead letter found undecodable again, or published",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let again = dead_again();
+            async move { (again.await || read_lines(out).len() > sent).then_some(()) }
+        },
+    )
+    .await;
+}
+
 pub fn read_lines(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
