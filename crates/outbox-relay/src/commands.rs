@@ -553,7 +553,16 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
             ),
         }
     }
-    outln!("nodes ({} live):", nodes.len());
+    if !config.database.uses_nodes_table() {
+        // "0 live" read as no relay running while one was active.
+        outln!(
+            "nodes: none kept (the {} layout has no nodes table here: one relay at a time \
+             holds the table's lock and relays it, the others wait as its standbys)",
+            config.database.layout
+        );
+    } else {
+        outln!("nodes ({} live):", nodes.len());
+    }
     for n in &nodes {
         let left = n.expiry.duration_since(now).unwrap_or_default();
         let owned = owned_by(&n.id);

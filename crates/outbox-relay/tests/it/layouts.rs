@@ -660,6 +660,13 @@ async fn mysql_seed_outbox_events_are_relayed_fifo_and_marked_consumed_on_mariad
         1,
     )
     .await;
+    // The layout keeps no nodes table: `stats` says so, where it said "0 live" beside a
+    // running relay.
+    let stats = h.cli(&["stats"]);
+    assert!(
+        stats.contains("nodes: none kept (the mysql-outbox-events layout has no nodes table"),
+        "{stats}"
+    );
     relay.terminate().await;
     assert!(h.cli(&["dead", "list"]).contains("no_route"));
     h.cli(&["dead", "retry", "--all"]);
