@@ -430,6 +430,11 @@ fn io_report(action: &str, path: &Path, e: &std::io::Error) -> String {
         ErrorKind::StorageFull | ErrorKind::QuotaExceeded => {
             "free space on its filesystem (or raise the quota)"
         }
+        // EFBIG: past the process's file-size limit (SIGXFSZ is ignored for it).
+        ErrorKind::FileTooLarge => {
+            "the file reached the relay's file-size limit (ulimit -f, systemd's LimitFSIZE): \
+             raise the limit, or rotate the file"
+        }
         ErrorKind::PermissionDenied => "let the relay's user write the file and its directory",
         ErrorKind::ReadOnlyFilesystem => "remount its filesystem read-write or choose another path",
         ErrorKind::NotFound | ErrorKind::NotADirectory => "create its directory",
@@ -439,10 +444,13 @@ fn io_report(action: &str, path: &Path, e: &std::io::Error) -> String {
     format!("{action} sink file {}: {e}; {fix}", path.display())
 }
 
-/// [`io_report`] for a failure while running, when the events wait in the outbox.
+/// [`io_report`] for a failure while running, when the events wait in the outbox. Each
+/// failure is an attempt, as a broker's outage is: said, where it promised retries without
+/// end while `max_attempts` dead-lettered each key's oldest event.
 fn retried_report(action: &str, path: &Path, e: &std::io::Error) -> String {
     format!(
-        "{}; events stay in the outbox and are retried",
+        "{}; the events stay in the outbox and are retried, each failure counting as an \
+         attempt (dead-lettered after max_attempts)",
         io_report(action, path, e)
     )
 }

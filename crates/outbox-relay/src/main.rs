@@ -239,7 +239,21 @@ async fn run_command(command: Command, config: Config) -> anyhow::Result<ExitCod
     }
 }
 
+/// A write past the process's file-size limit (`ulimit -f`, systemd's `LimitFSIZE`) raises
+/// SIGXFSZ, whose default action ended the relay without a word at the file sink's (or
+/// SQLite's) write that crossed it, and again after every restart. Ignored, the write fails
+/// with EFBIG instead, which the sink reports with its fix, and retries.
+#[allow(unsafe_code)]
+fn write_past_the_file_size_limit_fails_instead_of_killing() {
+    // SAFETY: setting a signal's disposition to SIG_IGN, before any other thread runs;
+    // nothing in the process handles SIGXFSZ.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
+}
+
 fn main() -> ExitCode {
+    write_past_the_file_size_limit_fails_instead_of_killing();
     let cli = match Cli::from_arg_matches(&cli::command().get_matches()) {
         Ok(cli) => cli,
         Err(e) => e.exit(),

@@ -255,3 +255,59 @@ async fn a_sink_path_that_is_no_regular_file_is_written_without_fsync() {
     numbers.sort();
     assert_eq!(numbers, (6..=10).collect::<Vec<_>>());
 }
+
+/// The sink file reaching the process's file-size limit (`ulimit -f`, systemd's
+/// `LimitFSIZE`): SIGXFSZ ended the relay without a word at the write that crossed it, its
+/// node left registered and the file torn, and again at every restart. It runs on, saying
+/// the limit and the fix; the events wait in the outbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_file_at_the_file_size_limit_is_said_and_the_relay_runs_on() {
+    let url = fresh_pg_database().await;
+    let root = tempfile::tempdir().unwrap();
+    let path = root.path().join("ev.jsonl");
+    let migrate = std::process::Command::new(BIN)
+        .arg("migrate")
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    assert!(migrate.status.success(), "{migrate:?}");
+    let client = pg(&url).await;
+    // About 400 KB of lines, past a limit of 64 KiB.
+    insert(&client, 1, 2000).await;
+    let sink = format!("file:{}", path.display());
+    let mut relay = RelayProcess::spawn_build(
+        "sh",
+        root.path(),
+        "relay",
+        &[
+            "-c",
+            "ulimit -f 128; exec \"$0\" \"$@\"",
+            BIN,
+            "run",
+            "--database-url",
+            &url,
+            "--sink",
+            &sink,
+            "--http-addr",
+            "",
+        ],
+        &[],
+    );
+    relay
+        .wait_for_log(
+            "the relay saying the limit",
+            Duration::from_secs(60),
+            "file-size limit (ulimit -f",
+        )
+        .await;
+    let status = relay.terminate().await;
+    assert!(
+        status.success(),
+        "it ran on to its stop: {status:?}\n{}",
+        relay.logs()
+    );
+    let left = query_count(&client, "SELECT count(*) FROM outbox", &[])
+        .await
+        .unwrap();
+    assert!(left > 0, "the events past the limit wait in the outbox");
+}
