@@ -86,6 +86,21 @@ impl SinkKind {
         }
     }
 
+    /// Why the sink sends nowhere a route's `target` could name, for those that do not (a
+    /// target given to one would change nothing).
+    pub fn ignores_targets(self) -> Option<&'static str> {
+        match self {
+            SinkKind::Stdout | SinkKind::File => {
+                Some("it writes every event alike, its destination in the line")
+            }
+            SinkKind::Webhook => Some(
+                "its URL, a template with {destination}, names where each event goes: put \
+                 the target in the URL of a sink of its own",
+            ),
+            _ => None,
+        }
+    }
+
     /// Whether this build has the sink.
     pub fn is_built(self) -> bool {
         match self {

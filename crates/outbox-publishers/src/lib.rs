@@ -159,6 +159,24 @@ pub async fn build_router(
     for route in routes.iter().filter(|r| r.target.is_none()) {
         check_default(&route.sink)?;
     }
+    // A target a sink never reads: accepted, it changed nothing, without a word.
+    for route in routes {
+        let Some(target) = &route.target else {
+            continue;
+        };
+        let kind = sinks
+            .get(&route.sink)
+            .and_then(|c| SinkKind::of(c.uri()).ok());
+        if let Some((kind, why)) = kind.and_then(|k| Some((k, k.ignores_targets()?))) {
+            return Err(SinkSetupError::config(format!(
+                "the route of {:?} to sink {} sets target = {target:?}, which a {} sink does \
+                 not use ({why}): remove it",
+                route.destinations,
+                route.sink,
+                kind.name_and_feature().0
+            )));
+        }
+    }
     if routes.is_empty() && sinks.len() == 1 {
         sinks.keys().try_for_each(|sink| check_default(sink))?;
     }
@@ -200,6 +218,34 @@ pub async fn build_router(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A route's target given to a sink that reads none (stdout, a file, a webhook, whose
+    /// URL names where each event goes) is refused, naming it: it changed nothing.
+    #[tokio::test]
+    async fn a_target_a_sink_never_reads_is_refused() {
+        for (uri, kind) in [
+            ("stdout", "stdout"),
+            ("file:/tmp/never-written.jsonl", "file"),
+            ("http://127.0.0.1:1/{destination}", "webhook"),
+        ] {
+            let sinks = BTreeMap::from([("s".to_string(), SinkConfig::new(uri))]);
+            let routes = vec![RouteConfig {
+                destinations: "orders".into(),
+                sink: "s".into(),
+                target: Some("elsewhere".into()),
+                cloudevents: None,
+                cloudevents_source: None,
+            }];
+            let Err(error) = build_router(&sinks, &routes, "{destination}").await else {
+                panic!("{uri}: accepted");
+            };
+            let said = error.to_string();
+            assert!(
+                said.contains("target = \"elsewhere\"") && said.contains(&format!("a {kind} sink")),
+                "{said}"
+            );
+        }
+    }
 
     /// Debezium's default topic, `outbox.event.{destination}`, cannot name an SQS queue or
     /// an SNS topic: a route to one without a target is refused, with the fix.
