@@ -609,6 +609,17 @@ fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) 
                 format!("the stream capturing {subject:?} refused the message"),
             ),
         },
+        // A stream at its max_msgs, max_bytes or max_msgs_per_subject with discard = new
+        // refuses new messages until it has room: its condition, said with the fix.
+        _ if matches!(jetstream_status(&error), Some((503, STREAM_STORE_FAILED))) => (
+            PublishErrorKind::Throttled,
+            format!(
+                "the stream capturing {subject:?} refused to store the message, most often \
+                 because it is full (its max_msgs, max_bytes or max_msgs_per_subject reached, \
+                 with discard = new): raise the limit, let consumers free room (work-queue \
+                 retention, max_age), or use discard = old"
+            ),
+        ),
         _ => (
             PublishErrorKind::BrokerFailure,
             format!("publish to {subject:?} failed"),
@@ -619,6 +630,10 @@ fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) 
 
 /// As many unconfirmed publishes as tokio's semaphore can count: no bound of the client's.
 const UNBOUNDED_ACKS_IN_FLIGHT: usize = usize::MAX >> 4;
+
+/// JetStream's error code for a message its stream could not store, with status 503: a
+/// full stream's "maximum messages exceeded" or "maximum bytes exceeded" among others.
+const STREAM_STORE_FAILED: u64 = 10077;
 
 /// JetStream's error code for a sealed stream ("invalid operation on sealed stream").
 const STREAM_SEALED: u64 = 10109;

@@ -427,6 +427,44 @@ async fn a_sealed_stream_is_retried_not_dead_lettered() {
     assert!(err.to_string().contains("sealed"), "{err}");
 }
 
+/// A stream full with `discard = new` (its max_msgs reached) refuses each new message (a
+/// 503, error 10077): retried as the stream's condition, and said with the fix, where it was
+/// "publish failed" with the server's words alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_stream_that_discards_new_messages_is_said_with_the_fix() {
+    let harness = new_harness().await;
+    let client = async_nats::connect(url(&harness.server)).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let mut config = js
+        .get_stream(&harness.stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    config.max_messages = 1;
+    config.discard = async_nats::jetstream::stream::DiscardPolicy::New;
+    js.update_stream(config).await.unwrap();
+    let send = |n: i64| {
+        harness.sink.send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event: outbox_testkit::publisher::event(n, "k", b"{}".to_vec()),
+            target: harness.subject.clone(),
+        }])
+    };
+    let first = send(1).await;
+    assert!(first[0].is_ok(), "{:?}", first[0]);
+    let outcomes = send(2).await;
+    let err = outcomes[0].as_ref().unwrap_err();
+    assert!(
+        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("max_msgs"), "{err}");
+}
+
 /// A stream set to `no_ack` stores what it is sent and answers nothing: every publish timed
 /// out, at every attempt, told only as "no PubAck in time". The error now names the stream
 /// and its no_ack.
