@@ -129,6 +129,17 @@ impl PublishError {
         }
     }
 
+    /// [`report`](Self::report) without the kind in front, for the same failure made again
+    /// with the same kind (one per event of a failed batch), which said its kind twice
+    /// (`missing_target: missing_target: …`).
+    pub fn report_without_kind(&self) -> String {
+        let report = self.report();
+        match report.strip_prefix(self.kind.as_str()) {
+            Some(rest) => rest.strip_prefix(": ").unwrap_or(rest).to_string(),
+            None => report,
+        }
+    }
+
     /// The message with its chain of causes, as stored in `last_error` (which the API
     /// serves): through the one redactor, so that no cause's URL carries a secret there.
     pub fn report(&self) -> String {

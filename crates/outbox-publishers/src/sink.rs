@@ -84,7 +84,7 @@ pub fn fail_all(batch: &[Routed], error: &PublishError) -> Vec<Outcome> {
 
 /// [`fail_all`] for `count` events.
 pub fn fail_n(count: usize, error: &PublishError) -> Vec<Outcome> {
-    let report = error.report();
+    let report = error.report_without_kind();
     (0..count)
         .map(|_| Err(PublishError::new(error.kind(), report.clone())))
         .collect()
@@ -166,5 +166,24 @@ impl Sink for Limited {
 
     fn reserved_target(&self, target: &str) -> Option<&'static str> {
         self.inner.reserved_target(target)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_core::PublishErrorKind;
+
+    /// Each event of a failed batch carries the batch's error once: its kind was said
+    /// twice (`missing_target: missing_target: SQS SendMessageBatch …`).
+    #[test]
+    fn a_failed_batchs_error_is_said_once_per_event() {
+        let error = PublishError::new(PublishErrorKind::MissingTarget, "SQS queue q is gone");
+        let outcomes = fail_n(2, &error);
+        for outcome in outcomes {
+            let said = outcome.unwrap_err();
+            assert_eq!(said.kind(), PublishErrorKind::MissingTarget);
+            assert_eq!(said.to_string(), "missing_target: SQS queue q is gone");
+        }
     }
 }
