@@ -25,7 +25,8 @@ use crate::config::{Config, RunParts};
 use crate::error::{config_error, failure};
 use crate::http::{OutboxSlot, Probes};
 use crate::otel::Otel;
-use crate::store::{ready_store, retry_transient, AnyStore, BinlogRun, CaptureRun};
+use crate::store::{ready_store, retry_transient_telling, AnyStore, BinlogRun, CaptureRun};
+use outbox_core::health::{Check, Health};
 
 /// Where an outbox runs.
 pub(crate) enum Place {
@@ -247,7 +248,7 @@ async fn start(
     // Ordered PostgreSQL nodes keep partition leases; SQLite is single-node, and unordered
     // nodes share every row through SKIP LOCKED.
     let partitions = match (store.partition_registry(), engine.ordered) {
-        (Some(registry), true) => Some(partitions(registry, drain).await?),
+        (Some(registry), true) => Some(partitions(registry, drain, &health).await?),
         _ => None,
     };
     engine.shared.ownership = partitions.as_ref().map(|p| p.ownership.clone());
@@ -269,14 +270,16 @@ async fn start(
         }
         _ => None,
     };
-    let coordinator = retry_transient("registering in the nodes table", !drain, || {
-        Coordinator::start(store.registry(), partitions.clone(), cluster.clone())
-    })
-    .await
-    .map_err(|e| {
-        let message = format!("cannot register in the nodes table: {}", e.report());
-        failure(message, &e)
-    })?;
+    let told = Some((&health, Check::Heartbeat));
+    let coordinator =
+        retry_transient_telling("registering in the nodes table", !drain, told, || {
+            Coordinator::start(store.registry(), partitions.clone(), cluster.clone())
+        })
+        .await
+        .map_err(|e| {
+            let message = format!("cannot register in the nodes table: {}", e.report());
+            failure(message, &e)
+        })?;
     let active_keeper =
         active_keeper.map(|keeper| tokio::spawn(tracing::Instrument::in_current_span(keeper)));
     let monitor = tokio::spawn(tracing::Instrument::in_current_span(
@@ -455,8 +458,10 @@ impl Endpoints {
 async fn partitions(
     registry: Arc<dyn PartitionRegistry>,
     drain: bool,
+    health: &Arc<Health>,
 ) -> anyhow::Result<Partitions> {
-    let count = retry_transient("reading the partition count", !drain, || {
+    let told = Some((health, Check::Leases));
+    let count = retry_transient_telling("reading the partition count", !drain, told, || {
         registry.partition_count()
     })
     .await

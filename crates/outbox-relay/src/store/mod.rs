@@ -21,7 +21,7 @@ pub mod settings;
 
 pub use binlog::{BinlogCapture, BinlogRun, BinlogSettings};
 pub use capture::{Capture, CaptureRun, CapturedTable};
-pub use ready::{ready_store, retry_transient};
+pub use ready::{ready_store, retry_transient_telling};
 
 /// The backlog as `stats` and the admin API show it.
 pub struct BacklogReport {

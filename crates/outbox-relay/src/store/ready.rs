@@ -1,8 +1,10 @@
 //! A store made ready to run on: reachable, its schema current, its problems said.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
+use outbox_core::health::{Check, Health};
 use outbox_core::redact::redact_url;
 
 use super::{AnyStore, StoreSettings};
@@ -63,6 +65,22 @@ pub async fn ready_store(
 pub async fn retry_transient<T, F, Fut>(
     what: &str,
     wait: bool,
+    op: F,
+) -> Result<T, outbox_core::StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, outbox_core::StoreError>>,
+{
+    retry_transient_telling(what, wait, None, op).await
+}
+
+/// [`retry_transient`] that fails `health`'s `check` while it retries (a start whose
+/// `/readyz` already answers: it said ready while nothing was relayed, the start looping on
+/// a read-only role or a connection limit).
+pub async fn retry_transient_telling<T, F, Fut>(
+    what: &str,
+    wait: bool,
+    health: Option<(&Arc<Health>, Check)>,
     mut op: F,
 ) -> Result<T, outbox_core::StoreError>
 where
@@ -70,12 +88,17 @@ where
     Fut: std::future::Future<Output = Result<T, outbox_core::StoreError>>,
 {
     let mut backoff = outbox_core::Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    let failing = health.map(|(health, check)| health.failing(check));
     loop {
         match op().await {
             Ok(value) => return Ok(value),
             Err(e) if wait && e.is_retryable() => {
                 let retry_in = backoff.next_delay();
-                tracing::warn!(error = %e.report(), ?retry_in, "{what}: waiting for the database");
+                let report = e.report();
+                if let Some(failing) = &failing {
+                    failing.failed(&format!("{what}: {report}"));
+                }
+                tracing::warn!(error = %report, ?retry_in, "{what}: waiting for the database");
                 tokio::time::sleep(retry_in).await;
             }
             Err(e) => return Err(e),

@@ -1290,3 +1290,58 @@ async fn a_nodes_table_named_after_the_outbox_was_migrated_is_made_by_migrate() 
     assert_eq!(later, first);
     assert!(!first.is_empty());
 }
+
+/// A start that loops on a failure it takes for passing (the database read-only for the
+/// relay, a connection limit): `/readyz` answered 200 "ready" while nothing was relayed. It
+/// fails, naming what the start waits for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_waiting_for_the_database_fails_readyz() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate(&url);
+    let database = url.rsplit('/').next().unwrap().to_string();
+    let admin = pg(&url).await;
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{database}\" SET default_transaction_read_only = on"
+        ))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let sink = format!("file:{}", dir.path().join("out.jsonl").display());
+    let mut relay = RelayProcess::spawn(
+        dir.path(),
+        "relay",
+        &[
+            "run",
+            "--database-url",
+            &url,
+            "--sink",
+            &sink,
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ],
+        &[],
+    );
+    let addr = crate::support::http_addr(&relay).await;
+    let body = crate::support::readyz(
+        &relay,
+        &addr,
+        503,
+        "registering in the nodes table",
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(
+        body.contains("read-only") || body.contains("read only"),
+        "{body}"
+    );
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{database}\" RESET default_transaction_read_only"
+        ))
+        .await
+        .unwrap();
+    relay.kill9();
+}
