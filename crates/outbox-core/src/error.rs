@@ -195,7 +195,7 @@ impl StoreErrorKind {
             StoreErrorKind::Connection => "check that the database is running and the URL's host, port and credentials are right",
             StoreErrorKind::Conflict => "this is transient; the relay retries by itself",
             StoreErrorKind::MissingSchema => "run `outbox-relay migrate` (or `run --auto-migrate`), or apply the DDL from `outbox-relay migrate --print`",
-            StoreErrorKind::Privilege => "grant the privileges listed by `outbox-relay migrate --print` to the relay's role",
+            StoreErrorKind::Privilege => "grant the privileges listed by `outbox-relay migrate --print` to the relay's role; the operator's commands (`dead retry`, `dead purge`, `prune`, `replay`) and the console's actions need the operator grants it prints as comments too",
             StoreErrorKind::Config => "fix the configuration value named in the message",
             StoreErrorKind::Corrupt => "stop writing to the database and recover it (`sqlite3 FILE .recover`, or restore a backup); events published but not acked are sent again once it is sound",
             StoreErrorKind::SchemaMismatch => "restore the column's type as `outbox-relay migrate --print` shows it; `outbox-relay check` lists every column that differs, with the ALTER TABLE that restores it",
@@ -295,6 +295,16 @@ pub fn report(error: &dyn StdError) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refusal of an operator's command (`dead retry` under the run-time role `migrate
+    /// --print` grants) told to grant what the role had; the operator grants are the
+    /// commented ones.
+    #[test]
+    fn a_privilege_refused_names_the_operator_grants_too() {
+        let hint = StoreErrorKind::Privilege.hint();
+        assert!(hint.contains("operator grants"), "{hint}");
+        assert!(hint.contains("dead retry"), "{hint}");
+    }
 
     #[test]
     fn permanent_kinds_are_never_retried() {
