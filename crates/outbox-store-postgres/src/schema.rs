@@ -113,6 +113,12 @@ impl Tables {
         self.outbox.sibling("_scheduled_idx")
     }
 
+    /// The index of the pending rows (`delivered_at IS NULL`), which every claim walks in
+    /// order. Quoted, schema-qualified.
+    pub fn pending_index(&self) -> String {
+        self.outbox.sibling("_pending_idx")
+    }
+
     /// The ordering-key expression; the claim query and the blocking index must agree on it.
     pub const ORDERING_KEY: &'static str = "coalesce(partition_key, destination)";
 
@@ -183,7 +189,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     /// an invalid one before building it again. Quoted, schema-qualified.
     pub fn concurrent_indexes(&self) -> Vec<String> {
         vec![
-            self.outbox.sibling("_pending_idx"),
+            self.pending_index(),
             self.blocking_index(),
             self.scheduled_index(),
         ]

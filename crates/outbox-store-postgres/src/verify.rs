@@ -316,23 +316,53 @@ async fn index_problems(
     migrate_fix: &str,
 ) -> StoreResult<()> {
     let t = &inner.tables;
-    let (scheduled, index, obsolete) = (
+    let (scheduled, index, obsolete, pending) = (
         t.scheduled_index(),
         t.blocking_index(),
         t.obsolete_blocking_index(),
+        t.pending_index(),
     );
+    let outbox = t.outbox.quoted();
     let rows = PgStore::query(
         inner,
         "verify",
-        "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL",
-        &[&scheduled, &index, &obsolete],
+        "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL,
+                to_regclass($4) IS NOT NULL,
+                EXISTS (SELECT FROM pg_catalog.pg_index i
+                          JOIN pg_catalog.pg_attribute a
+                            ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+                         WHERE i.indrelid = to_regclass($5) AND i.indisunique
+                           AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = 'event_id')",
+        &[&scheduled, &index, &obsolete, &pending, &outbox],
     )
     .await?;
-    let (scheduled_present, present, obsolete_present) = (
+    let (scheduled_present, present, obsolete_present, pending_present, unique_event_ids) = (
         rows[0].get::<_, bool>(0),
         rows[0].get::<_, bool>(1),
         rows[0].get::<_, bool>(2),
+        rows[0].get::<_, bool>(3),
+        rows[0].get::<_, bool>(4),
     );
+    // Its UNIQUE constraint dropped by hand: two rows with one event id go out as one event
+    // to every sink that drops duplicates by id, the later one lost; `check` said ok.
+    if !unique_event_ids {
+        problems.push(Problem::degraded(
+            format!(
+                "no unique index holds {outbox}'s event_id alone: two rows with one event id go \
+                 out as one event to every sink that drops duplicates by id (JetStream, SQS \
+                 FIFO, a consumer's dedupe), and the later one is lost"
+            ),
+            format!("ALTER TABLE {outbox} ADD UNIQUE (event_id)"),
+        ));
+    }
+    // Dropped by hand, claims read the whole table (its delivered rows too, with
+    // --retain-delivered) for each batch; `check` said ok.
+    if !pending_present {
+        problems.push(Problem::degraded(
+            format!("index {pending} is missing: every claim reads the whole table to find the pending rows"),
+            migrate_fix,
+        ));
+    }
     if !scheduled_present {
         problems.push(Problem::degraded(
             format!(

@@ -969,6 +969,40 @@ async fn a_heartbeat_whose_answer_was_lost_does_not_make_the_node_think_it_was_d
     );
 }
 
+/// The pending rows' index, or the event ids' UNIQUE constraint, dropped by hand: `check`
+/// said ok while every claim read the whole table, or while two rows could share an event
+/// id. Each is named, not refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_pending_index_or_event_id_constraint_is_named_by_check() {
+    let (store, url) = store(4).await;
+    session(&url)
+        .await
+        .batch_execute("DROP INDEX outbox_pending_idx")
+        .await
+        .unwrap();
+    let problems = store.verify().await.unwrap();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.what.contains("outbox_pending_idx")),
+        "{problems:?}"
+    );
+    assert!(problems.iter().all(|p| p.is_degraded()), "{problems:?}");
+    // Its event ids' UNIQUE constraint dropped too: named, with the statement that restores it.
+    session(&url)
+        .await
+        .batch_execute("ALTER TABLE outbox DROP CONSTRAINT outbox_event_id_key")
+        .await
+        .unwrap();
+    let problems = store.verify().await.unwrap();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.what.contains("event_id alone") && p.fix.contains("ADD UNIQUE (event_id)")),
+        "{problems:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_migrated_before_the_scheduled_index_is_slower_not_refused() {
     let (store, url) = store(4).await;
