@@ -398,6 +398,16 @@ async fn a_batch_of_more_than_20000_events_is_confirmed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sealed_stream_is_retried_not_dead_lettered() {
     let harness = new_harness().await;
+    change_stream(&harness, |config| config.sealed = true).await;
+    let err = refused_as_the_streams_condition(&harness, 1).await;
+    assert!(err.contains("sealed"), "{err}");
+}
+
+/// Changes the harness's stream's configuration with `change`.
+async fn change_stream(
+    harness: &NatsHarness,
+    change: impl FnOnce(&mut async_nats::jetstream::stream::Config),
+) {
     let client = async_nats::connect(url(&harness.server)).await.unwrap();
     let js = async_nats::jetstream::new(client);
     let mut config = js
@@ -409,22 +419,32 @@ async fn a_sealed_stream_is_retried_not_dead_lettered() {
         .unwrap()
         .config
         .clone();
-    config.sealed = true;
+    change(&mut config);
     js.update_stream(config).await.unwrap();
-    let outcomes = harness
-        .sink
-        .send(vec![outbox_publishers::Routed {
-            cloudevents: None,
-            event: outbox_testkit::publisher::event(1, "k", b"{}".to_vec()),
-            target: harness.subject.clone(),
-        }])
-        .await;
+}
+
+/// Sends event `n` of key `k`, which the stream must refuse as its own condition (retried):
+/// the error, as said.
+async fn refused_as_the_streams_condition(harness: &NatsHarness, n: i64) -> String {
+    let outcomes = send_numbered(harness, n).await;
     let err = outcomes[0].as_ref().unwrap_err();
     assert!(
         matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
         "{err}"
     );
-    assert!(err.to_string().contains("sealed"), "{err}");
+    err.to_string()
+}
+
+/// Sends event `n` of key `k` to the harness's subject.
+async fn send_numbered(harness: &NatsHarness, n: i64) -> Vec<outbox_core::publisher::Outcome> {
+    harness
+        .sink
+        .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event: outbox_testkit::publisher::event(n, "k", b"{}".to_vec()),
+            target: harness.subject.clone(),
+        }])
+        .await
 }
 
 /// A stream full with `discard = new` (its max_msgs reached) refuses each new message (a
@@ -433,36 +453,15 @@ async fn a_sealed_stream_is_retried_not_dead_lettered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_stream_that_discards_new_messages_is_said_with_the_fix() {
     let harness = new_harness().await;
-    let client = async_nats::connect(url(&harness.server)).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    let mut config = js
-        .get_stream(&harness.stream)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .config
-        .clone();
-    config.max_messages = 1;
-    config.discard = async_nats::jetstream::stream::DiscardPolicy::New;
-    js.update_stream(config).await.unwrap();
-    let send = |n: i64| {
-        harness.sink.send(vec![outbox_publishers::Routed {
-            cloudevents: None,
-            event: outbox_testkit::publisher::event(n, "k", b"{}".to_vec()),
-            target: harness.subject.clone(),
-        }])
-    };
-    let first = send(1).await;
+    change_stream(&harness, |config| {
+        config.max_messages = 1;
+        config.discard = async_nats::jetstream::stream::DiscardPolicy::New;
+    })
+    .await;
+    let first = send_numbered(&harness, 1).await;
     assert!(first[0].is_ok(), "{:?}", first[0]);
-    let outcomes = send(2).await;
-    let err = outcomes[0].as_ref().unwrap_err();
-    assert!(
-        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
-        "{err}"
-    );
-    assert!(err.to_string().contains("max_msgs"), "{err}");
+    let err = refused_as_the_streams_condition(&harness, 2).await;
+    assert!(err.contains("max_msgs"), "{err}");
 }
 
 /// A stream set to `no_ack` stores what it is sent and answers nothing: every publish timed

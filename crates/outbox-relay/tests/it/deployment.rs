@@ -1308,22 +1308,12 @@ async fn a_start_waiting_for_the_database_fails_readyz() {
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let sink = format!("file:{}", dir.path().join("out.jsonl").display());
-    let mut relay = RelayProcess::spawn(
-        dir.path(),
-        "relay",
-        &[
-            "run",
-            "--database-url",
-            &url,
-            "--sink",
-            &sink,
-            "--http-addr",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-        ],
-        &[],
+    let args = crate::support::run_args(
+        &url,
+        &sink,
+        &["--http-addr", "127.0.0.1:0", "--log-format", "json"],
     );
+    let mut relay = RelayProcess::spawn(dir.path(), "relay", &args, &[]);
     let addr = crate::support::http_addr(&relay).await;
     let body = crate::support::readyz(
         &relay,

@@ -25,6 +25,16 @@ async fn readyz_becomes(addr: &str, status: u16) -> String {
     .1
 }
 
+/// `migrate` of the PostgreSQL database at `url`.
+fn migrate_pg(url: &str) {
+    let migrate = std::process::Command::new(BIN)
+        .arg("migrate")
+        .env("DATABASE_URL", url)
+        .output()
+        .unwrap();
+    assert!(migrate.status.success(), "{migrate:?}");
+}
+
 async fn insert(client: &tokio_postgres::Client, from: i32, to: i32) {
     client
         .execute(
@@ -86,12 +96,7 @@ async fn events_are_acked_only_into_the_file_at_the_path_after_removal_rotation_
     let out_dir = root.path().join("out");
     std::fs::create_dir(&out_dir).unwrap();
     let path = out_dir.join("ev.jsonl");
-    let migrate = std::process::Command::new(BIN)
-        .arg("migrate")
-        .env("DATABASE_URL", &url)
-        .output()
-        .unwrap();
-    assert!(migrate.status.success(), "{migrate:?}");
+    migrate_pg(&url);
     let sink = format!("file:{}", path.display());
     let relay = RelayProcess::spawn(
         root.path(),
@@ -265,34 +270,18 @@ async fn a_sink_file_at_the_file_size_limit_is_said_and_the_relay_runs_on() {
     let url = fresh_pg_database().await;
     let root = tempfile::tempdir().unwrap();
     let path = root.path().join("ev.jsonl");
-    let migrate = std::process::Command::new(BIN)
-        .arg("migrate")
-        .env("DATABASE_URL", &url)
-        .output()
-        .unwrap();
-    assert!(migrate.status.success(), "{migrate:?}");
+    migrate_pg(&url);
     let client = pg(&url).await;
     // About 400 KB of lines, past a limit of 64 KiB.
     insert(&client, 1, 2000).await;
     let sink = format!("file:{}", path.display());
-    let mut relay = RelayProcess::spawn_build(
-        "sh",
-        root.path(),
-        "relay",
-        &[
-            "-c",
-            "ulimit -f 128; exec \"$0\" \"$@\"",
-            BIN,
-            "run",
-            "--database-url",
-            &url,
-            "--sink",
-            &sink,
-            "--http-addr",
-            "",
-        ],
-        &[],
-    );
+    let limited = ["-c", "ulimit -f 128; exec \"$0\" \"$@\"", BIN];
+    let args = [
+        &limited[..],
+        &support::run_args(&url, &sink, &["--http-addr", ""]),
+    ]
+    .concat();
+    let mut relay = RelayProcess::spawn_build("sh", root.path(), "relay", &args, &[]);
     relay
         .wait_for_log(
             "the relay saying the limit",

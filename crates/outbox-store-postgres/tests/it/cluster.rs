@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::store::{ClaimRequest, Heartbeat, LeaseHolder, PartitionRegistry};
+use outbox_core::store::{ClaimRequest, Heartbeat, LeaseHolder, PartitionRegistry, Problem};
 use outbox_core::{partition_of, Claimed, Fence, NewEvent, NodeId, OutboxStore};
 use outbox_store_postgres::{PgOptions, PgStore, Tables, DEFAULT_NOTIFY_CHANNEL};
 use outbox_testkit::{eventually, query_count};
@@ -969,36 +969,43 @@ async fn a_heartbeat_whose_answer_was_lost_does_not_make_the_node_think_it_was_d
     );
 }
 
+/// What `verify` finds once `statement` ran on the database at `url`; every problem is one
+/// `run` starts with (degraded), and one of them says `named`.
+async fn degraded_after(store: &PgStore, url: &str, statement: &str, named: &str) -> Vec<Problem> {
+    session(url).await.batch_execute(statement).await.unwrap();
+    let problems = store.verify().await.unwrap();
+    assert!(
+        problems.iter().any(|p| p.what.contains(named)),
+        "{named}: {problems:?}"
+    );
+    assert!(problems.iter().all(|p| p.is_degraded()), "{problems:?}");
+    problems
+}
+
 /// The pending rows' index, or the event ids' UNIQUE constraint, dropped by hand: `check`
 /// said ok while every claim read the whole table, or while two rows could share an event
 /// id. Each is named, not refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_pending_index_or_event_id_constraint_is_named_by_check() {
     let (store, url) = store(4).await;
-    session(&url)
-        .await
-        .batch_execute("DROP INDEX outbox_pending_idx")
-        .await
-        .unwrap();
-    let problems = store.verify().await.unwrap();
+    degraded_after(
+        &store,
+        &url,
+        "DROP INDEX outbox_pending_idx",
+        "outbox_pending_idx",
+    )
+    .await;
+    let problems = degraded_after(
+        &store,
+        &url,
+        "ALTER TABLE outbox DROP CONSTRAINT outbox_event_id_key",
+        "event_id alone",
+    )
+    .await;
     assert!(
         problems
             .iter()
-            .any(|p| p.what.contains("outbox_pending_idx")),
-        "{problems:?}"
-    );
-    assert!(problems.iter().all(|p| p.is_degraded()), "{problems:?}");
-    // Its event ids' UNIQUE constraint dropped too: named, with the statement that restores it.
-    session(&url)
-        .await
-        .batch_execute("ALTER TABLE outbox DROP CONSTRAINT outbox_event_id_key")
-        .await
-        .unwrap();
-    let problems = store.verify().await.unwrap();
-    assert!(
-        problems
-            .iter()
-            .any(|p| p.what.contains("event_id alone") && p.fix.contains("ADD UNIQUE (event_id)")),
+            .any(|p| p.fix.contains("ADD UNIQUE (event_id)")),
         "{problems:?}"
     );
 }
@@ -1006,22 +1013,14 @@ async fn a_dropped_pending_index_or_event_id_constraint_is_named_by_check() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_migrated_before_the_scheduled_index_is_slower_not_refused() {
     let (store, url) = store(4).await;
-    session(&url)
-        .await
-        .batch_execute("DROP INDEX outbox_scheduled_idx")
-        .await
-        .unwrap();
-    let problems = store.verify().await.unwrap();
-    assert!(
-        problems
-            .iter()
-            .any(|p| p.what.contains("outbox_scheduled_idx")),
-        "{problems:?}"
-    );
-    assert!(
-        problems.iter().all(|p| p.is_degraded()),
-        "run starts on it (the floor is off and says so): {problems:?}"
-    );
+    // `run` starts on it: the floor is off, and says so.
+    degraded_after(
+        &store,
+        &url,
+        "DROP INDEX outbox_scheduled_idx",
+        "outbox_scheduled_idx",
+    )
+    .await;
     let (node, fence) = sole_owner(&store).await;
     let seq = store.insert(vec![event("k", 0)]).await.unwrap();
     let claimed = store.claim(owned(&node, fence, 10)).await.unwrap();

@@ -250,6 +250,13 @@ pub async fn await_dead_again_or_published<F, Fut>(
     .await;
 }
 
+/// The arguments of `run` on the database at `url` to `sink`, then `extra`.
+pub fn run_args<'a>(url: &'a str, sink: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["run", "--database-url", url, "--sink", sink];
+    args.extend_from_slice(extra);
+    args
+}
+
 pub fn read_lines(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
