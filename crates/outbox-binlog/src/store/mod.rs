@@ -2109,8 +2109,6 @@ impl Reader {
         }
     }
 
-    /// The session broke for `reason`: what it settled past the stored position waits for
-    /// the next one.
     /// Why rows of a table described with `columns` cannot be read: it lacks a column
     /// they are read by (renamed or dropped while the relay ran). Checked once per
     /// description.
@@ -2126,8 +2124,8 @@ impl Reader {
             return Some(format!(
                 "the outbox table {}.{} has no column {missing} now, which the relay reads \
                  its rows by (renamed or dropped by an ALTER TABLE while the relay ran): \
-                 rename it back, or map the new name (layout = \"custom\" and its [mapping]) and restart; the row \
-                 waits, and nothing after it is read",
+                 rename it back, or map the new name (layout = \"custom\" and its \
+                 [mapping]) and restart; the row waits, and nothing after it is read",
                 self.binlog.database, self.binlog.table
             ));
         }
@@ -2135,6 +2133,8 @@ impl Reader {
         None
     }
 
+    /// The session broke for `reason`: what it settled past the stored position waits for
+    /// the next one.
     fn broken(&mut self, capture: &Capture, reason: String) -> Ended {
         self.unstored.session_ended(capture.read_to());
         Ended::Broken(reason)
