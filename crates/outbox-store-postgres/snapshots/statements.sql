@@ -1,23 +1,27 @@
 -- public.outbox: ack_delete (row lease)
-DELETE FROM "public"."outbox" o WHERE o.sequence_id = ANY($2) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+DELETE FROM "public"."outbox" o USING unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
+                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- public.outbox: ack_delete (partition fence)
-DELETE FROM "public"."outbox" o WHERE o.sequence_id = ANY($2) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $5 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $5) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+DELETE FROM "public"."outbox" o USING unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
+                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $6 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $6) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
 
 -- public.outbox: ack_retain (row lease)
 UPDATE "public"."outbox" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                      WHERE o.sequence_id = ANY($2) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+                       FROM unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
+                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- public.outbox: ack_retain (partition fence)
 UPDATE "public"."outbox" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                      WHERE o.sequence_id = ANY($2) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $5 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $5) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                       FROM unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
+                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $6 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $6) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
 
 -- public.outbox: retry_later (row lease)
@@ -25,28 +29,29 @@ UPDATE "public"."outbox" o
                         SET attempts = u.attempts, last_error = u.error,
                             available_at = now() + u.delay_ms * interval '1 millisecond',
                             locked_by = NULL, locked_until = NULL
-                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
-                            AS u(sequence_id, attempts, error, delay_ms)
-                      WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[], $6::uuid[])
+                            AS u(sequence_id, attempts, error, delay_ms, event_id)
+                      WHERE o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- public.outbox: retry_later (partition fence)
 UPDATE "public"."outbox" o
                         SET attempts = u.attempts, last_error = u.error,
                             available_at = now() + u.delay_ms * interval '1 millisecond',
                             locked_by = NULL, locked_until = NULL
-                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
-                            AS u(sequence_id, attempts, error, delay_ms)
-                      WHERE o.sequence_id = u.sequence_id AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $8 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $8) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[], $6::uuid[])
+                            AS u(sequence_id, attempts, error, delay_ms, event_id)
+                      WHERE o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($7::int4[], $8::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $9 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $9) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($7::int4[], $8::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
 
 -- public.outbox: dead_letter (row lease)
 WITH moved AS (
                             DELETE FROM "public"."outbox" o
-                             USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
-                             WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+                             USING unnest($2::int8[], $3::int4[], $4::text[], $5::uuid[])
+                                   AS u(sequence_id, attempts, error, event_id)
+                             WHERE o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
                          RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
                          INSERT INTO "public"."outbox_dead_letters" (sequence_id, event_id, destination, partition_key, event_type,
                                            payload, headers, mutation_id, rejected, created_at,
@@ -62,11 +67,12 @@ WITH moved AS (
 -- public.outbox: dead_letter (partition fence)
 WITH moved AS (
                             DELETE FROM "public"."outbox" o
-                             USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
-                             WHERE o.sequence_id = u.sequence_id AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $7 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $7) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                             USING unnest($2::int8[], $3::int4[], $4::text[], $5::uuid[])
+                                   AS u(sequence_id, attempts, error, event_id)
+                             WHERE o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $8 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $8) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
                          RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
                          INSERT INTO "public"."outbox_dead_letters" (sequence_id, event_id, destination, partition_key, event_type,
@@ -752,25 +758,29 @@ END
 $$;
 
 -- app.events: ack_delete (row lease)
-DELETE FROM "app"."events" o WHERE o.sequence_id = ANY($2) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+DELETE FROM "app"."events" o USING unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
+                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- app.events: ack_delete (partition fence)
-DELETE FROM "app"."events" o WHERE o.sequence_id = ANY($2) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $5 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $5) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+DELETE FROM "app"."events" o USING unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
+                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $6 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $6) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
 
 -- app.events: ack_retain (row lease)
 UPDATE "app"."events" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                      WHERE o.sequence_id = ANY($2) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+                       FROM unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
+                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- app.events: ack_retain (partition fence)
 UPDATE "app"."events" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                      WHERE o.sequence_id = ANY($2) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $5 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $5) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                       FROM unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
+                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $6 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $6) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
 
 -- app.events: retry_later (row lease)
@@ -778,28 +788,29 @@ UPDATE "app"."events" o
                         SET attempts = u.attempts, last_error = u.error,
                             available_at = now() + u.delay_ms * interval '1 millisecond',
                             locked_by = NULL, locked_until = NULL
-                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
-                            AS u(sequence_id, attempts, error, delay_ms)
-                      WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[], $6::uuid[])
+                            AS u(sequence_id, attempts, error, delay_ms, event_id)
+                      WHERE o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- app.events: retry_later (partition fence)
 UPDATE "app"."events" o
                         SET attempts = u.attempts, last_error = u.error,
                             available_at = now() + u.delay_ms * interval '1 millisecond',
                             locked_by = NULL, locked_until = NULL
-                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
-                            AS u(sequence_id, attempts, error, delay_ms)
-                      WHERE o.sequence_id = u.sequence_id AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $8 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $8) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[], $6::uuid[])
+                            AS u(sequence_id, attempts, error, delay_ms, event_id)
+                      WHERE o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($7::int4[], $8::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $9 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $9) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($7::int4[], $8::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
 
 -- app.events: dead_letter (row lease)
 WITH moved AS (
                             DELETE FROM "app"."events" o
-                             USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
-                             WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+                             USING unnest($2::int8[], $3::int4[], $4::text[], $5::uuid[])
+                                   AS u(sequence_id, attempts, error, event_id)
+                             WHERE o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
                          RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
                          INSERT INTO "app"."events_dead_letters" (sequence_id, event_id, destination, partition_key, event_type,
                                            payload, headers, mutation_id, rejected, created_at,
@@ -815,11 +826,12 @@ WITH moved AS (
 -- app.events: dead_letter (partition fence)
 WITH moved AS (
                             DELETE FROM "app"."events" o
-                             USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
-                             WHERE o.sequence_id = u.sequence_id AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $7 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $7) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                             USING unnest($2::int8[], $3::int4[], $4::text[], $5::uuid[])
+                                   AS u(sequence_id, attempts, error, event_id)
+                             WHERE o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $8 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $8) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
                          RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
                          INSERT INTO "app"."events_dead_letters" (sequence_id, event_id, destination, partition_key, event_type,

@@ -41,6 +41,7 @@ impl PgStore {
                 // The pool's, which it shares.
                 refused: inner.refused.clone(),
                 owned: Default::default(),
+                handed: Default::default(),
                 floor: Default::default(),
             }),
         }

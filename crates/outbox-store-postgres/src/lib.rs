@@ -7,6 +7,7 @@
 mod access;
 mod decode;
 mod error;
+mod handed;
 mod listen;
 pub mod mapped;
 mod migrate;
@@ -155,6 +156,8 @@ struct Inner {
     refused: Arc<tokio::sync::watch::Sender<shutdown_watch::RefusedSince>>,
     /// The rows each node holds from owned-partition claims, and where claims start.
     owned: owned::OwnedClaims,
+    /// The event id of each row handed out, which its settle checks.
+    handed: handed::HandedOut,
     /// Whether claims may use the scan floor now.
     floor: owned::FloorHealth,
 }
@@ -266,6 +269,7 @@ impl PgStore {
                 waiting: tokio::sync::watch::channel(false).0,
                 refused,
                 owned: Default::default(),
+                handed: Default::default(),
                 floor: Default::default(),
             }),
         })
@@ -714,25 +718,33 @@ fn failed_columns<'a>(
     (ids, attempts, errors)
 }
 
-/// Runs a settle statement, with the partition fence's parameters appended when there is one.
+/// Runs a settle statement of `node`'s rows `ids`: `params` are the statement's own, but
+/// for the rows' event ids (`handed.rs`), which follow them, and the partition fence's
+/// parameters when there is one.
 async fn settle(
     inner: &Inner,
     context: &'static str,
     sql: &schema::Guarded,
-    fence: Option<&Fence>,
+    (node, fence): (&str, Option<&Fence>),
+    ids: &[SequenceId],
     params: &[&(dyn ToSql + Sync)],
 ) -> StoreResult<u64> {
-    match fence {
-        None => PgStore::execute(inner, context, &sql.row_lease, params).await,
-        Some(fence) => {
-            let count = fence.count as i32;
-            let mut all: Vec<&(dyn ToSql + Sync)> = params.to_vec();
+    let event_ids = inner.handed.event_ids(node, ids);
+    let count = fence.map(|fence| fence.count as i32);
+    let mut all: Vec<&(dyn ToSql + Sync)> = params.to_vec();
+    all.push(&event_ids);
+    let statement = match (fence, &count) {
+        (Some(fence), Some(count)) => {
             all.push(&fence.partitions);
             all.push(&fence.epochs);
-            all.push(&count);
-            PgStore::execute(inner, context, &sql.partition_fence, &all).await
+            all.push(count);
+            &sql.partition_fence
         }
-    }
+        _ => &sql.row_lease,
+    };
+    let n = PgStore::execute(inner, context, statement, &all).await?;
+    inner.handed.forget(node, ids);
+    Ok(n)
 }
 
 /// A table altered under a running relay fails its prepared statements with "cached plan
@@ -792,6 +804,13 @@ impl OutboxStore for PgStore {
                 }
             };
             let ids = claimed_ids(&inner.tables, &rows)?;
+            inner.handed.record(
+                node,
+                ids.iter().zip(&rows).map(|(id, row)| {
+                    let event_id: Option<uuid::Uuid> = row.try_get(1).ok().flatten();
+                    (*id, event_id)
+                }),
+            );
             let mut claimed: Vec<Claimed> = ids
                 .into_iter()
                 .zip(&rows)
@@ -813,7 +832,15 @@ impl OutboxStore for PgStore {
             } else {
                 &inner.sql.ack_delete
             };
-            let n = settle(&inner, "ack", sql, fence.as_deref(), &[&node.0, &ids]).await?;
+            let n = settle(
+                &inner,
+                "ack",
+                sql,
+                (&node.0, fence.as_deref()),
+                &ids,
+                &[&node.0, &ids],
+            )
+            .await?;
             inner.owned.forget(&node.0, &ids, n < ids.len() as u64);
             Ok(n)
         }
@@ -834,7 +861,8 @@ impl OutboxStore for PgStore {
                 &inner,
                 "retry",
                 &inner.sql.retry_later,
-                fence.as_deref(),
+                (&node.0, fence.as_deref()),
+                &ids,
                 &[&node.0, &ids, &attempts, &errors, &delays],
             )
             .await?;
@@ -857,7 +885,8 @@ impl OutboxStore for PgStore {
                 &inner,
                 "dead-letter",
                 &inner.sql.dead_letter,
-                fence.as_deref(),
+                (&node.0, fence.as_deref()),
+                &ids,
                 &[&node.0, &ids, &attempts, &errors],
             )
             .await?;
@@ -871,6 +900,7 @@ impl OutboxStore for PgStore {
         let inner = self.inner.clone();
         async move {
             // Owned-claim rows hold no lease: forgetting them makes them claimable.
+            inner.handed.forget(&node.0, &ids);
             let owned = inner.owned.forget(&node.0, &ids, true);
             let leased: Vec<i64> = ids
                 .iter()
@@ -890,6 +920,7 @@ impl OutboxStore for PgStore {
     fn release_unheld(&self, node: NodeId, held: Vec<SequenceId>) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
+            inner.handed.forget_all_but(&node.0, &held);
             let forgotten = inner.owned.forget_all_but(&node.0, &held);
             let n = Self::execute(
                 &inner,

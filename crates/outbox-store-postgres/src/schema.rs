@@ -577,6 +577,11 @@ const RETURNED: &str = "o.sequence_id, o.event_id, o.destination, o.partition_ke
 /// its `locked_by` with no `locked_until`, see [`Native::release`]).
 const ROW_LEASE: &str = " AND o.locked_by = $1 AND o.locked_until IS NOT NULL";
 
+/// A settled row (`o`) is still the one handed out (`u`, whose `event_id` is the row's as
+/// claimed, or NULL for a row settled by id alone: see `handed.rs`). A row that took a
+/// handed-out row's sequence id (the sequence restarted) is not it.
+const SAME_ROW: &str = " AND (u.event_id IS NULL OR o.event_id = u.event_id)";
+
 /// The ordering key of the claimed or settled row (`o`) and of an earlier row (`p`).
 const KEY_O: &str = "coalesce(o.partition_key, o.destination)";
 const KEY_P: &str = "coalesce(p.partition_key, p.destination)";
@@ -953,50 +958,58 @@ impl Native {
         )
     }
 
-    /// $1 node, $2 ids.
+    /// $1 node, $2 ids, $3 their event ids. The rows are found by the primary key
+    /// (`= ANY`), then matched to their event ids by a join on the id: a check of each row
+    /// against the whole array of event ids cost the database 2 ms per 1,000 rows.
     fn ack_delete(&self) -> Guarded {
         let t = &self.t;
-        self.settle(3, |guard| {
-            format!("DELETE FROM {t} o WHERE o.sequence_id = ANY($2){guard}")
-        })
-    }
-
-    /// $1 node, $2 ids (`--retain-delivered`).
-    fn ack_retain(&self) -> Guarded {
-        let t = &self.t;
-        self.settle(3, |guard| {
+        self.settle(4, |guard| {
             format!(
-                "UPDATE {t} o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                      WHERE o.sequence_id = ANY($2){guard}"
+                "DELETE FROM {t} o USING unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
+                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id{SAME_ROW}{guard}"
             )
         })
     }
 
-    /// $1 node, $2 ids, $3 attempts, $4 errors, $5 delays in ms.
+    /// $1 node, $2 ids, $3 their event ids (`--retain-delivered`).
+    fn ack_retain(&self) -> Guarded {
+        let t = &self.t;
+        self.settle(4, |guard| {
+            format!(
+                "UPDATE {t} o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
+                       FROM unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
+                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id{SAME_ROW}{guard}"
+            )
+        })
+    }
+
+    /// $1 node, $2 ids, $3 attempts, $4 errors, $5 delays in ms, $6 event ids.
     fn retry_later(&self) -> Guarded {
         let t = &self.t;
-        self.settle(6, |guard| {
+        self.settle(7, |guard| {
             format!(
                 "UPDATE {t} o
                         SET attempts = u.attempts, last_error = u.error,
                             available_at = now() + u.delay_ms * interval '1 millisecond',
                             locked_by = NULL, locked_until = NULL
-                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
-                            AS u(sequence_id, attempts, error, delay_ms)
-                      WHERE o.sequence_id = u.sequence_id{guard}"
+                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[], $6::uuid[])
+                            AS u(sequence_id, attempts, error, delay_ms, event_id)
+                      WHERE o.sequence_id = u.sequence_id{SAME_ROW}{guard}"
             )
         })
     }
 
-    /// $1 node, $2 ids, $3 attempts, $4 errors: moves each row whole into the dead letters.
+    /// $1 node, $2 ids, $3 attempts, $4 errors, $5 event ids: moves each row whole into the
+    /// dead letters.
     fn dead_letter(&self) -> Guarded {
         let Native { t, dl, .. } = self;
-        self.settle(5, |guard| {
+        self.settle(6, |guard| {
             format!(
                 "WITH moved AS (
                             DELETE FROM {t} o
-                             USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
-                             WHERE o.sequence_id = u.sequence_id{guard}
+                             USING unnest($2::int8[], $3::int4[], $4::text[], $5::uuid[])
+                                   AS u(sequence_id, attempts, error, event_id)
+                             WHERE o.sequence_id = u.sequence_id{SAME_ROW}{guard}
                          RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
                          INSERT INTO {dl} (sequence_id, event_id, destination, partition_key, event_type,
                                            payload, headers, mutation_id, rejected, created_at,

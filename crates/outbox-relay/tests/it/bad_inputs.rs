@@ -560,6 +560,129 @@ async fn truncating_the_outbox_under_a_running_relay_loses_nothing_written_after
     assert!(relay_process.terminate().await.success());
 }
 
+/// A webhook that reads each request, reports its body, and answers 200 only once `open`
+/// says so: the events it was sent stay in flight (published, not acked) until then.
+async fn gated_webhook(
+    open: tokio::sync::watch::Receiver<bool>,
+) -> (String, tokio::sync::mpsc::UnboundedReceiver<Vec<u8>>) {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (received, bodies) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let mut open = open.clone();
+            let received = received.clone();
+            tokio::spawn(async move {
+                let Some((_, body)) = crate::support::read_http_request(&mut socket).await else {
+                    return;
+                };
+                let _ = received.send(body);
+                if open.wait_for(|open| *open).await.is_ok() {
+                    let answer =
+                        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+                    let _ = socket.write_all(answer.as_bytes()).await;
+                    let _ = socket.shutdown().await;
+                }
+            });
+        }
+    });
+    (format!("http://{addr}/{{destination}}"), bodies)
+}
+
+/// `TRUNCATE … RESTART IDENTITY` while events are in flight: the new rows take the old
+/// rows' sequence ids, and the old events' acks, which named rows by sequence id alone,
+/// deleted the new rows unsent. An ack (and every settle) now names the row by its
+/// sequence id and its event id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncating_the_outbox_while_events_are_in_flight_keeps_the_rows_that_take_their_ids() {
+    let url = fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    assert!(relay(d, &["migrate", "--database-url", &url])
+        .status
+        .success());
+    let (open_tx, open) = tokio::sync::watch::channel(false);
+    let (hook, mut bodies) = gated_webhook(open).await;
+    let out = d.join("events.jsonl");
+    std::fs::write(
+        d.join("relay.toml"),
+        format!(
+            "[sinks.file]\nuri = \"file:{}\"\n[sinks.hook]\nuri = \"{hook}\"\n\
+             [[routes]]\ndestinations = \"good\"\nsink = \"file\"\n\
+             [[routes]]\ndestinations = \"*\"\nsink = \"hook\"\n",
+            out.display()
+        ),
+    )
+    .unwrap();
+    let mut relay_process = RelayProcess::spawn(
+        d,
+        "truncate-in-flight",
+        &[
+            "--config",
+            "relay.toml",
+            "run",
+            "--http-addr",
+            "",
+            "--log-format",
+            "json",
+        ],
+        &[("DATABASE_URL", url.as_str())],
+    );
+    let client = pg(&url).await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             SELECT 'held', 'k' || i, 't', to_jsonb(i) FROM generate_series(1, 5) i",
+        )
+        .await
+        .unwrap();
+    for _ in 0..5 {
+        tokio::time::timeout(Duration::from_secs(30), bodies.recv())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "the webhook did not get the 5 events: {}",
+                    relay_process.logs()
+                )
+            })
+            .unwrap();
+    }
+    // Published and unanswered: in flight. The new rows take sequence ids 1 to 5 again.
+    client
+        .batch_execute(
+            "TRUNCATE outbox RESTART IDENTITY;
+             INSERT INTO outbox (destination, partition_key, event_type, payload)
+             SELECT 'good', 'k' || i, 't', to_jsonb(100 + i) FROM generate_series(1, 5) i",
+        )
+        .await
+        .unwrap();
+    open_tx.send(true).unwrap();
+    wait_for_lines(
+        "the events written after the TRUNCATE",
+        &out,
+        Duration::from_secs(30),
+        |n| n >= 5,
+    )
+    .await;
+    let lines = read_lines(&out);
+    let mut payloads: Vec<i64> = lines
+        .iter()
+        .map(|l| l["payload"].as_i64().unwrap())
+        .collect();
+    payloads.sort_unstable();
+    assert_eq!(payloads, [101, 102, 103, 104, 105], "{lines:?}");
+    wait_for_count(
+        "the new rows acked",
+        &client,
+        "SELECT count(*) FROM outbox",
+        0,
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(relay_process.terminate().await.success());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_relays_on_one_sqlite_file_deliver_each_event_once_in_key_order() {
     let dir = tempfile::tempdir().unwrap();
