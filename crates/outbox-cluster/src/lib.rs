@@ -62,6 +62,8 @@ pub struct Coordinator {
     stop: watch::Sender<bool>,
     /// The expiry this process last wrote; `None` once another process took the row.
     incarnation: watch::Receiver<Option<Incarnation>>,
+    /// Why this node must stop, once it must (see [`Coordinator::halted`]).
+    halt: watch::Receiver<Option<String>>,
     task: JoinHandle<()>,
 }
 
@@ -100,12 +102,13 @@ impl Coordinator {
         );
         let (stop, stopped) = watch::channel(false);
         let (written, incarnation_rx) = watch::channel(Some(incarnation));
+        let (halt, halt_rx) = watch::channel(None);
         let task = tokio::spawn(tracing::Instrument::in_current_span(run(
             registry.clone(),
             partitions.clone(),
             config.clone(),
             stopped,
-            written,
+            (written, Arc::new(halt)),
         )));
         Ok(Coordinator {
             registry,
@@ -113,6 +116,7 @@ impl Coordinator {
             node: config.node,
             stop,
             incarnation: incarnation_rx,
+            halt: halt_rx,
             task,
         })
     }
@@ -133,6 +137,25 @@ impl Coordinator {
     /// Whether another process took this node's row (see [`Coordinator::displaced`]).
     pub fn is_displaced(&self) -> bool {
         self.incarnation.borrow().is_none()
+    }
+
+    /// Resolves once the node must stop for a reason its peers share, which a restart of
+    /// every node resolves: the partitions table no longer holds the count the node started
+    /// with. Nodes hash keys modulo that count, so a node that went on beside nodes started
+    /// after the change would share keys with them, publishing events twice and out of
+    /// order, while partitions past its count went unowned.
+    pub fn halted(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut halt = self.halt.clone();
+        async move {
+            if halt.wait_for(Option::is_some).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Why the node must stop, once it must (see [`Coordinator::halted`]).
+    pub fn halt_reason(&self) -> Option<String> {
+        self.halt.borrow().clone()
     }
 
     /// Stops heartbeating, gives up every partition the engine no longer holds rows of (call
@@ -262,7 +285,10 @@ async fn run(
     partitions: Option<Partitions>,
     config: ClusterConfig,
     mut stopped: watch::Receiver<bool>,
-    written: watch::Sender<Option<Incarnation>>,
+    (written, halt): (
+        watch::Sender<Option<Incarnation>>,
+        Arc<watch::Sender<Option<String>>>,
+    ),
 ) {
     let first = *written.borrow();
     let mut keeper = Keeper {
@@ -271,7 +297,7 @@ async fn run(
         config,
         wrote: Wrote::starting_with(first),
         written,
-        count: None,
+        halt,
         counted: None,
         counting: None,
         unanswered: false,
@@ -297,8 +323,8 @@ struct Keeper {
     written: watch::Sender<Option<Incarnation>>,
     /// The expiries it wrote before, to know its own row rolled back.
     wrote: Wrote,
-    /// The partition count, once read.
-    count: Option<u32>,
+    /// Why the node must stop, once it must.
+    halt: Arc<watch::Sender<Option<String>>>,
     /// When the partitions table was last counted for the gauges, and the count running.
     counted: Option<Instant>,
     counting: Option<JoinHandle<()>>,
@@ -418,12 +444,8 @@ impl Keeper {
             }
             return false;
         };
-        if self.count.is_none() {
-            self.count = p.registry.partition_count().await.ok().filter(|n| *n > 0);
-        }
-        let Some(count) = self.count else {
-            return false;
-        };
+        // The count the node started with, which its claims and lanes hash keys by.
+        let count = p.ownership.count();
         let handing_over = balance(p, &self.config, count, &live).await;
         self.count_unowned(count);
         handing_over
@@ -442,8 +464,9 @@ impl Keeper {
         if idle && self.counted.is_none_or(|at| at.elapsed() >= interval) {
             self.counted = Some(Instant::now());
             let p = p.clone();
+            let halt = self.halt.clone();
             self.counting = Some(tokio::spawn(async move {
-                count_unowned(&p, count, interval).await
+                count_unowned(&p, count, interval, &halt).await
             }));
         }
     }
@@ -628,11 +651,24 @@ async fn older_nodes_to_wait_for(p: &Partitions, config: &ClusterConfig) -> Opti
 /// Sets the partition gauges from the partitions table: every node reports the whole
 /// outbox's count, so the gauges do not depend on scraping every node. A lease counts as
 /// valid until its expiry by this node's clock, as `stats` counts it. Waits at most `within`,
-/// so that a slow answer does not hold back the next heartbeat.
-async fn count_unowned(p: &Partitions, count: u32, within: Duration) {
+/// so that a slow answer does not hold back the next heartbeat. A table that no longer holds
+/// partitions 0 to `count` less one halts the node ([`Coordinator::halted`]).
+async fn count_unowned(
+    p: &Partitions,
+    count: u32,
+    within: Duration,
+    halt: &watch::Sender<Option<String>>,
+) {
     metrics::gauge!(PARTITIONS).set(f64::from(count));
     match tokio::time::timeout(within, p.registry.partitions()).await {
         Ok(Ok(partitions)) => {
+            let numbers: Vec<i32> = partitions.iter().map(|p| p.partition).collect();
+            if let Some(reason) = partitions_changed(count, &numbers) {
+                if halt.borrow().is_none() {
+                    tracing::error!("{reason}");
+                    halt.send_replace(Some(reason));
+                }
+            }
             let now = std::time::SystemTime::now();
             // Those without a row (none, since migrate writes them all) count as unowned.
             let held = partitions
@@ -649,6 +685,32 @@ async fn count_unowned(p: &Partitions, count: u32, within: Duration) {
         }
         Err(_) => tracing::debug!("no answer listing partitions for the gauges"),
     }
+}
+
+/// What is wrong when the partitions table, whose rows are `numbers` (in order), no longer
+/// holds the `count` partitions, 0 to `count` less one, that this node started with.
+fn partitions_changed(count: u32, numbers: &[i32]) -> Option<String> {
+    let unchanged = numbers.len() == count as usize
+        && numbers
+            .iter()
+            .zip(0..)
+            .all(|(number, expected)| *number == expected);
+    if unchanged {
+        return None;
+    }
+    let now = match (numbers.first(), numbers.last()) {
+        (Some(first), Some(last)) => format!("{} rows, numbered {first} to {last}", numbers.len()),
+        _ => "no rows".to_string(),
+    };
+    Some(format!(
+        "the partitions table changed under the running relay: it now holds {now}, where this \
+         node started with {count} partitions (0 to {}). Nodes split keys by the count they \
+         started with, so a node going on beside nodes started after the change would share \
+         keys with them, publishing events twice and out of order; stopping this node (exit 1). \
+         Restart every node once the table is as wanted: each reads the count again at its \
+         start. Change the count only with every node stopped",
+        count.saturating_sub(1)
+    ))
 }
 
 /// Renews, hands over and takes leases. Returns whether a hand-over is still waiting, and the
@@ -775,4 +837,31 @@ async fn keep_leases(
         }
     }
     (waiting, failure)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::partitions_changed;
+
+    #[test]
+    fn a_partitions_table_holding_the_count_the_node_started_with_is_unchanged() {
+        assert_eq!(partitions_changed(4, &[0, 1, 2, 3]), None);
+    }
+
+    #[test]
+    fn partitions_added_removed_or_renumbered_under_a_running_node_halt_it() {
+        let added = partitions_changed(4, &[0, 1, 2, 3, 4, 5]).unwrap();
+        assert!(
+            added.contains("it now holds 6 rows, numbered 0 to 5"),
+            "{added}"
+        );
+        assert!(
+            added.contains("started with 4 partitions (0 to 3)"),
+            "{added}"
+        );
+        assert!(partitions_changed(4, &[0, 1, 2]).is_some());
+        assert!(partitions_changed(4, &[0, 1, 2, 5]).is_some());
+        let emptied = partitions_changed(4, &[]).unwrap();
+        assert!(emptied.contains("it now holds no rows"), "{emptied}");
+    }
 }

@@ -99,15 +99,20 @@ pub(crate) async fn relay_outbox(
     };
     let running = running?;
     let (result, deadline) = running.relay(stop, backstop).await;
-    let displaced = running.stop(deadline).await;
+    let ended = running.stop(deadline).await;
     let summary = result.map_err(|e| anyhow::anyhow!("relay stopped: {}", e.report()))?;
-    if displaced {
-        return Err(config_error(
-            "relay stopped: another process started with the same node id took over this node's \
-             row in the nodes table; give every relay process its own --node-id \
-             (OUTBOX_RELAY_NODE_ID), or leave it unset for a generated one"
-                .into(),
-        ));
+    match ended {
+        Ended::Displaced => {
+            return Err(config_error(
+                "relay stopped: another process started with the same node id took over this \
+                 node's row in the nodes table; give every relay process its own --node-id \
+                 (OUTBOX_RELAY_NODE_ID), or leave it unset for a generated one"
+                    .into(),
+            ))
+        }
+        // Exit 1, not 2: a service manager's restart is the fix (it reads the new count).
+        Ended::Halted(reason) => bail!("relay stopped: {reason}"),
+        Ended::Stopped => {}
     }
     tracing::info!(
         published = summary.published,
@@ -308,6 +313,7 @@ impl Running {
         backstop: bool,
     ) -> (StoreResult<Summary>, Instant) {
         let displaced = self.coordinator.displaced();
+        let halted = self.coordinator.halted();
         let shutdown_timeout = self.engine.settings.shutdown_timeout;
         let stopping_since = Arc::new(OnceLock::new());
         let stop = {
@@ -316,6 +322,7 @@ impl Running {
                 tokio::select! {
                     () = stop => {}
                     () = displaced => {}
+                    () = halted => {}
                 }
                 let _ = stopping_since.set(Instant::now());
                 if backstop {
@@ -376,10 +383,17 @@ impl Running {
     }
 
     /// Once the engine has released its rows: lets go of the partitions, the node row, the
-    /// slot and the queued spans by `deadline`, and stops serving. True when another process
-    /// had taken over this node's row.
-    async fn stop(self, deadline: Instant) -> bool {
-        let displaced = self.coordinator.is_displaced();
+    /// slot and the queued spans by `deadline`, and stops serving. Says why the coordinator
+    /// ended the run, if it did.
+    async fn stop(self, deadline: Instant) -> Ended {
+        let ended = match (
+            self.coordinator.is_displaced(),
+            self.coordinator.halt_reason(),
+        ) {
+            (true, _) => Ended::Displaced,
+            (false, Some(reason)) => Ended::Halted(reason),
+            (false, None) => Ended::Stopped,
+        };
         self.coordinator.stop(deadline).await;
         if let Some(capture) = self.capture {
             // The last confirmation (or stored position) goes to the server before the slot
@@ -406,8 +420,18 @@ impl Running {
         if let Some(http) = self.http {
             http.abort();
         }
-        displaced
+        ended
     }
+}
+
+/// How a run ended, as far as the node's membership goes.
+enum Ended {
+    /// Stopped as asked (a signal, a drain done, the engine's own error).
+    Stopped,
+    /// Another process took over this node's row (exit 2).
+    Displaced,
+    /// The node had to stop for the reason given ([`Coordinator::halted`], exit 1).
+    Halted(String),
 }
 
 impl Endpoints {

@@ -1110,6 +1110,82 @@ async fn relays_of_two_outboxes_sharing_the_nodes_table_each_take_all_their_part
     assert!(billing.terminate().await.success(), "{}", billing.logs());
 }
 
+/// Partitions added to the partitions table under a running node: the node kept hashing
+/// keys by the count it started with, partitions 64 to 127 stayed unowned, a node started
+/// after the change hashed by 128 and shared keys with it, and `/readyz` said nothing. The
+/// node now stops (exit 1, naming the change), and started again takes the new count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_added_under_a_running_node_stop_it_and_its_restart_takes_the_new_count() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let migrate = Command::new(BIN)
+        .args(["migrate", "--database-url", &url])
+        .output()
+        .unwrap();
+    assert!(migrate.status.success(), "{migrate:?}");
+    let start = || {
+        let args = [
+            "run",
+            "--node-id",
+            "n1",
+            "--heartbeat-interval",
+            "200ms",
+            "--database-url",
+            &url,
+            "--http-addr",
+            "",
+            "--sink",
+            "file:events.jsonl",
+        ];
+        RelayProcess::spawn(dir.path(), "n1", &args, &[])
+    };
+    let db = pg(&url).await;
+    let db = &db;
+    let holds = |count: i64| async move {
+        let owned =
+            "SELECT count(*) FROM outbox_partitions WHERE owner = 'n1' AND lease_until > now()";
+        (query_count(db, owned, &[]).await.ok()? == count).then_some(())
+    };
+    let mut relay = start();
+    eventually(
+        "n1 to hold the 64 partitions",
+        Duration::from_secs(30),
+        || holds(64),
+    )
+    .await;
+    db.batch_execute("INSERT INTO outbox_partitions (partition) SELECT generate_series(64, 127)")
+        .await
+        .unwrap();
+    let status = relay.wait_exit_within(Duration::from_secs(30)).await;
+    let logs = relay.logs();
+    assert_eq!(status.code(), Some(1), "{logs}");
+    assert!(
+        logs.contains("the partitions table changed under the running relay: it now holds 128 rows, numbered 0 to 127, where this node started with 64 partitions"),
+        "{logs}"
+    );
+    let mut relay = start();
+    eventually(
+        "n1 to hold the 128 partitions",
+        Duration::from_secs(30),
+        || holds(128),
+    )
+    .await;
+    db.batch_execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         SELECT 'orders', 'k' || i, 't', to_jsonb(i) FROM generate_series(1, 200) i",
+    )
+    .await
+    .unwrap();
+    crate::support::wait_for_lines(
+        "the events written after the restart",
+        &dir.path().join("events.jsonl"),
+        Duration::from_secs(30),
+        |n| n >= 200,
+    )
+    .await;
+    assert!(relay.terminate().await.success(), "{}", relay.logs());
+}
+
 // ---- A rolling upgrade with two builds (issue 34 §1): scripts/rolling-upgrade.sh ----
 
 /// Waits until the writers have committed `events` events.
