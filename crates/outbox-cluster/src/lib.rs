@@ -63,7 +63,7 @@ pub struct Coordinator {
     /// The expiry this process last wrote; `None` once another process took the row.
     incarnation: watch::Receiver<Option<Incarnation>>,
     /// Why this node must stop, once it must (see [`Coordinator::halted`]).
-    halt: watch::Receiver<Option<String>>,
+    halt: watch::Receiver<Option<Halt>>,
     task: JoinHandle<()>,
 }
 
@@ -80,6 +80,36 @@ impl Coordinator {
         partitions: Option<Partitions>,
         config: ClusterConfig,
     ) -> Result<Self, StoreError> {
+        let claims = partitions.map_or(Claims::Elsewhere, Claims::Partitions);
+        Self::start_claiming(registry, claims, config).await
+    }
+
+    /// [`Coordinator::start`] for a node that claims the outbox's rows as `claims` says.
+    /// Refused ([`StoreErrorKind::Config`]) where live nodes claim them the other way,
+    /// before the node registers: the mix of ordered and unordered nodes on one outbox
+    /// sends events twice.
+    pub async fn start_claiming(
+        registry: Arc<dyn NodeRegistry>,
+        claims: Claims,
+        config: ClusterConfig,
+    ) -> Result<Self, StoreError> {
+        let modes = claims.modes();
+        if let Some((modes_registry, unordered)) = &modes {
+            let peers = modes_registry
+                .claim_mode_peers(config.node.clone(), *unordered, false)
+                .await?;
+            if !peers.is_empty() {
+                return Err(StoreError::new(
+                    StoreErrorKind::Config,
+                    claim_modes_meet(*unordered, &peers, "refused"),
+                )
+                .with_hint("run every node of one outbox with the same --ordering"));
+            }
+        }
+        let partitions = match claims {
+            Claims::Partitions(partitions) => Some(partitions),
+            Claims::Unordered(_) | Claims::Elsewhere => None,
+        };
         let incarnation = register(&*registry, &config).await?;
         tracing::info!(node = %config.node, "registered in the nodes table");
         metrics::describe_gauge!(CLUSTER_NODES, "Live nodes in the nodes table.");
@@ -109,6 +139,7 @@ impl Coordinator {
             config.clone(),
             stopped,
             (written, Arc::new(halt)),
+            modes,
         )));
         Ok(Coordinator {
             registry,
@@ -139,11 +170,13 @@ impl Coordinator {
         self.incarnation.borrow().is_none()
     }
 
-    /// Resolves once the node must stop for a reason its peers share, which a restart of
-    /// every node resolves: the partitions table no longer holds the count the node started
-    /// with. Nodes hash keys modulo that count, so a node that went on beside nodes started
-    /// after the change would share keys with them, publishing events twice and out of
-    /// order, while partitions past its count went unowned.
+    /// Resolves once the node must stop ([`Halt`]):
+    /// - the partitions table no longer holds the count the node started with. Nodes hash
+    ///   keys modulo that count, so a node that went on beside nodes started after the
+    ///   change would share keys with them, publishing events twice and out of order, while
+    ///   partitions past its count went unowned. A restart of every node takes the new count.
+    /// - this unordered node relays the outbox beside ordered nodes (see
+    ///   [`PartitionRegistry::claim_mode_peers`]); the ordered nodes go on.
     pub fn halted(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let mut halt = self.halt.clone();
         async move {
@@ -154,7 +187,7 @@ impl Coordinator {
     }
 
     /// Why the node must stop, once it must (see [`Coordinator::halted`]).
-    pub fn halt_reason(&self) -> Option<String> {
+    pub fn halt_reason(&self) -> Option<Halt> {
         self.halt.borrow().clone()
     }
 
@@ -287,8 +320,9 @@ async fn run(
     mut stopped: watch::Receiver<bool>,
     (written, halt): (
         watch::Sender<Option<Incarnation>>,
-        Arc<watch::Sender<Option<String>>>,
+        Arc<watch::Sender<Option<Halt>>>,
     ),
+    modes: Option<(Arc<dyn PartitionRegistry>, bool)>,
 ) {
     let first = *written.borrow();
     let mut keeper = Keeper {
@@ -298,6 +332,8 @@ async fn run(
         wrote: Wrote::starting_with(first),
         written,
         halt,
+        modes,
+        meeting: Vec::new(),
         counted: None,
         counting: None,
         unanswered: false,
@@ -306,6 +342,7 @@ async fn run(
         let Membership::Held(live) = keeper.heartbeat().await else {
             return;
         };
+        keeper.check_claim_modes().await;
         let handing_over = keeper.keep_partitions(live).await;
         tokio::select! {
             _ = tokio::time::sleep(keeper.pause(handing_over)) => {}
@@ -324,7 +361,12 @@ struct Keeper {
     /// The expiries it wrote before, to know its own row rolled back.
     wrote: Wrote,
     /// Why the node must stop, once it must.
-    halt: Arc<watch::Sender<Option<String>>>,
+    halt: Arc<watch::Sender<Option<Halt>>>,
+    /// Where ordered and unordered nodes of the outbox could meet: the registry, and whether
+    /// this node is the unordered kind.
+    modes: Option<(Arc<dyn PartitionRegistry>, bool)>,
+    /// The nodes claiming the other way that this ordered node last said it relays beside.
+    meeting: Vec<String>,
     /// When the partitions table was last counted for the gauges, and the count running.
     counted: Option<Instant>,
     counting: Option<JoinHandle<()>>,
@@ -419,6 +461,36 @@ impl Keeper {
             }
         }
         self.written.send_replace(None);
+    }
+
+    /// Announces how this node claims the outbox's rows and looks for nodes that claim them
+    /// the other way: an unordered node that finds ordered ones stops (they go on); an
+    /// ordered one says so, once per change, while the unordered ones stop. A failed look
+    /// waits for the next round.
+    async fn check_claim_modes(&mut self) {
+        let Some((registry, unordered)) = &self.modes else {
+            return;
+        };
+        let node = self.config.node.clone();
+        let peers = match registry.claim_mode_peers(node, *unordered, true).await {
+            Ok(peers) => peers,
+            Err(e) => {
+                tracing::debug!(error = %e.report(), "could not list the nodes claiming the other way");
+                return;
+            }
+        };
+        match (*unordered, peers.is_empty()) {
+            (true, false) => halt_once(
+                &self.halt,
+                Halt::configuration(claim_modes_meet(true, &peers, "stopping (exit 2)")),
+            ),
+            (false, false) if peers != self.meeting => tracing::error!(
+                "{}",
+                claim_modes_meet(false, &peers, "going on: they stop at their next heartbeat")
+            ),
+            _ => {}
+        }
+        self.meeting = peers;
     }
 
     /// One round of lease keeping among the `live` nodes (none: they could not be listed,
@@ -657,17 +729,14 @@ async fn count_unowned(
     p: &Partitions,
     count: u32,
     within: Duration,
-    halt: &watch::Sender<Option<String>>,
+    halt: &watch::Sender<Option<Halt>>,
 ) {
     metrics::gauge!(PARTITIONS).set(f64::from(count));
     match tokio::time::timeout(within, p.registry.partitions()).await {
         Ok(Ok(partitions)) => {
             let numbers: Vec<i32> = partitions.iter().map(|p| p.partition).collect();
             if let Some(reason) = partitions_changed(count, &numbers) {
-                if halt.borrow().is_none() {
-                    tracing::error!("{reason}");
-                    halt.send_replace(Some(reason));
-                }
+                halt_once(halt, Halt::runtime(reason));
             }
             let now = std::time::SystemTime::now();
             // Those without a row (none, since migrate writes them all) count as unowned.
@@ -685,6 +754,77 @@ async fn count_unowned(
         }
         Err(_) => tracing::debug!("no answer listing partitions for the gauges"),
     }
+}
+
+/// Why a node must stop, and whether the configuration is to blame (exit 2: a restart
+/// alone will not do) or a restart of the node is the fix (exit 1).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Halt {
+    pub reason: String,
+    pub configuration: bool,
+}
+
+impl Halt {
+    fn runtime(reason: String) -> Self {
+        Halt {
+            reason,
+            configuration: false,
+        }
+    }
+
+    fn configuration(reason: String) -> Self {
+        Halt {
+            reason,
+            configuration: true,
+        }
+    }
+}
+
+/// Halts the node with `halt`, said once, unless it is halting already.
+fn halt_once(sender: &watch::Sender<Option<Halt>>, halt: Halt) {
+    if sender.borrow().is_none() {
+        tracing::error!("{}", halt.reason);
+        sender.send_replace(Some(halt));
+    }
+}
+
+/// How a node claims the outbox's rows, where ordered and unordered nodes could meet (the
+/// native PostgreSQL outbox, whose ordered claims lease no row).
+pub enum Claims {
+    /// Ordered: the partitions it leases.
+    Partitions(Partitions),
+    /// Unordered (`--ordering none`): every ready row, under row leases.
+    Unordered(Arc<dyn PartitionRegistry>),
+    /// Where the modes cannot meet (WAL or binlog capture, SQLite, mapped tables): nothing to
+    /// check.
+    Elsewhere,
+}
+
+impl Claims {
+    /// The registry to check the other mode's nodes in, and whether this node is unordered.
+    fn modes(&self) -> Option<(Arc<dyn PartitionRegistry>, bool)> {
+        match self {
+            Claims::Partitions(p) => Some((p.registry.clone(), false)),
+            Claims::Unordered(registry) => Some((registry.clone(), true)),
+            Claims::Elsewhere => None,
+        }
+    }
+}
+
+/// What is wrong when this node (`unordered` or not) finds `peers` claiming the outbox's
+/// rows the other way, and what it does (`outcome`).
+fn claim_modes_meet(unordered: bool, peers: &[String], outcome: &str) -> String {
+    let (mine, theirs) = match unordered {
+        true => ("unordered (--ordering none)", "ordered"),
+        false => ("ordered", "unordered (--ordering none)"),
+    };
+    format!(
+        "this {mine} node would relay the outbox beside {theirs} node(s) {}: an ordered node's \
+         claims lease no row, so the unordered nodes claim the rows it holds and most events \
+         go out twice; {outcome}. Run every node of one outbox with the same --ordering: stop \
+         the nodes of one kind before starting the other",
+        peers.join(", ")
+    )
 }
 
 /// What is wrong when the partitions table, whose rows are `numbers` (in order), no longer

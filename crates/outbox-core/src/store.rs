@@ -561,6 +561,19 @@ pub trait PartitionRegistry: Send + Sync + 'static {
     /// The outbox's partition count (fixed when it was migrated).
     fn partition_count(&self) -> StoreFuture<u32>;
 
+    /// The other live nodes that claim this outbox's rows the other way from `node`:
+    /// ordered ones (that announced this outbox's partitions) for an `unordered` node, and
+    /// unordered ones (`--ordering none` on this outbox) for an ordered one. The two must
+    /// not meet: an ordered claim leases no row, so an unordered node claims the rows an
+    /// ordered one holds, and the events go out twice. With `announce`, first writes into
+    /// `node`'s row how it claims them; the list is read as it was before that write.
+    fn claim_mode_peers(
+        &self,
+        node: NodeId,
+        unordered: bool,
+        announce: bool,
+    ) -> StoreFuture<Vec<String>>;
+
     /// Takes the free or expired ones of `partitions`, and those `node` holds already;
     /// returns those taken with their new epochs.
     fn acquire(

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::bail;
 use metrics_exporter_prometheus::PrometheusHandle;
 use outbox_binlog::BinlogStore;
-use outbox_cluster::{Coordinator, Partitions};
+use outbox_cluster::{Claims, Coordinator, Halt, Partitions};
 use outbox_core::redact::redact_url;
 use outbox_core::store::{PartitionRegistry, StoreResult};
 use outbox_core::{NodeId, OutboxStore, Ownership, Publisher};
@@ -110,8 +110,11 @@ pub(crate) async fn relay_outbox(
                     .into(),
             ))
         }
-        // Exit 1, not 2: a service manager's restart is the fix (it reads the new count).
-        Ended::Halted(reason) => bail!("relay stopped: {reason}"),
+        Ended::Halted(halt) if halt.configuration => {
+            return Err(config_error(format!("relay stopped: {}", halt.reason)))
+        }
+        // Exit 1: a service manager's restart is the fix (it reads the new count).
+        Ended::Halted(halt) => bail!("relay stopped: {}", halt.reason),
         Ended::Stopped => {}
     }
     tracing::info!(
@@ -276,9 +279,15 @@ async fn start(
         _ => None,
     };
     let told = Some((&health, Check::Heartbeat));
+    let claims = || match (&partitions, store.partition_registry()) {
+        (Some(partitions), _) => Claims::Partitions(partitions.clone()),
+        // An unordered node where ordered nodes could run too: checked against them.
+        (None, Some(registry)) => Claims::Unordered(registry),
+        (None, None) => Claims::Elsewhere,
+    };
     let coordinator =
         retry_transient_telling("registering in the nodes table", !drain, told, || {
-            Coordinator::start(store.registry(), partitions.clone(), cluster.clone())
+            Coordinator::start_claiming(store.registry(), claims(), cluster.clone())
         })
         .await
         .map_err(|e| {
@@ -430,8 +439,9 @@ enum Ended {
     Stopped,
     /// Another process took over this node's row (exit 2).
     Displaced,
-    /// The node had to stop for the reason given ([`Coordinator::halted`], exit 1).
-    Halted(String),
+    /// The node had to stop ([`Coordinator::halted`]): exit 2 if the configuration is to
+    /// blame, else 1.
+    Halted(Halt),
 }
 
 impl Endpoints {

@@ -332,8 +332,8 @@ WITH pushed AS (
                        AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
                  RETURNING expiry
                  ), inserted AS (
-                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table)
-                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', ''
+                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table, unordered_outbox)
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL
                      WHERE NOT EXISTS (SELECT 1 FROM pushed)
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
@@ -384,6 +384,21 @@ SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_datab
                           WHERE NOT EXISTS (SELECT FROM "public"."outbox_partitions" p WHERE p.partition = n)) END
               FROM "public"."outbox_partitions"
 
+-- public.outbox: claim_mode_peers
+WITH announced AS (
+                    UPDATE "public"."outbox_nodes"
+                       SET partitions_table = CASE WHEN $2 THEN '' ELSE '"public"."outbox_partitions"' END,
+                           unordered_outbox = CASE WHEN $2 THEN '"public"."outbox"' END
+                     WHERE id = $1 AND $3
+                       AND (partitions_table IS DISTINCT FROM (CASE WHEN $2 THEN '' ELSE '"public"."outbox_partitions"' END)
+                            OR unordered_outbox IS DISTINCT FROM (CASE WHEN $2 THEN '"public"."outbox"' END))
+                 RETURNING id
+                 )
+                 SELECT id FROM "public"."outbox_nodes"
+                  WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
+                    AND CASE WHEN $2 THEN partitions_table = '"public"."outbox_partitions"' ELSE unordered_outbox = '"public"."outbox"' END
+                  ORDER BY id
+
 -- public.outbox: acquire
 UPDATE "public"."outbox_partitions"
                     SET owner = $1, epoch = epoch + 1,
@@ -409,9 +424,9 @@ SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int
 
 -- public.outbox: register
 WITH taken AS (
-                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table)
-                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '')
-                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table
+                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table, unordered_outbox)
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL)
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table, unordered_outbox = NULL
                      WHERE "public"."outbox_nodes".expiry < (now() AT TIME ZONE 'UTC')
                  RETURNING expiry
                  )
@@ -661,6 +676,13 @@ INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUE
 SET LOCAL lock_timeout = '5s';
 ALTER TABLE "public"."outbox_nodes" ADD COLUMN IF NOT EXISTS partitions_table text;
 INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 6, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 7: the nodes table's unordered_outbox column (the outbox an --ordering none node relays: refused beside ordered nodes of the same outbox, whose claims lease no row it could see) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+SET LOCAL lock_timeout = '5s';
+ALTER TABLE "public"."outbox_nodes" ADD COLUMN IF NOT EXISTS unordered_outbox text;
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 7, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
@@ -1091,8 +1113,8 @@ WITH pushed AS (
                        AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
                  RETURNING expiry
                  ), inserted AS (
-                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table)
-                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', ''
+                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table, unordered_outbox)
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL
                      WHERE NOT EXISTS (SELECT 1 FROM pushed)
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
@@ -1143,6 +1165,21 @@ SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_datab
                           WHERE NOT EXISTS (SELECT FROM "app"."events_partitions" p WHERE p.partition = n)) END
               FROM "app"."events_partitions"
 
+-- app.events: claim_mode_peers
+WITH announced AS (
+                    UPDATE "app"."relay_nodes"
+                       SET partitions_table = CASE WHEN $2 THEN '' ELSE '"app"."events_partitions"' END,
+                           unordered_outbox = CASE WHEN $2 THEN '"app"."events"' END
+                     WHERE id = $1 AND $3
+                       AND (partitions_table IS DISTINCT FROM (CASE WHEN $2 THEN '' ELSE '"app"."events_partitions"' END)
+                            OR unordered_outbox IS DISTINCT FROM (CASE WHEN $2 THEN '"app"."events"' END))
+                 RETURNING id
+                 )
+                 SELECT id FROM "app"."relay_nodes"
+                  WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
+                    AND CASE WHEN $2 THEN partitions_table = '"app"."events_partitions"' ELSE unordered_outbox = '"app"."events"' END
+                  ORDER BY id
+
 -- app.events: acquire
 UPDATE "app"."events_partitions"
                     SET owner = $1, epoch = epoch + 1,
@@ -1168,9 +1205,9 @@ SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int
 
 -- app.events: register
 WITH taken AS (
-                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table)
-                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '')
-                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table
+                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table, unordered_outbox)
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL)
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table, unordered_outbox = NULL
                      WHERE "app"."relay_nodes".expiry < (now() AT TIME ZONE 'UTC')
                  RETURNING expiry
                  )
@@ -1420,6 +1457,13 @@ INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES (
 SET LOCAL lock_timeout = '5s';
 ALTER TABLE "app"."relay_nodes" ADD COLUMN IF NOT EXISTS partitions_table text;
 INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 6, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 7: the nodes table's unordered_outbox column (the outbox an --ordering none node relays: refused beside ordered nodes of the same outbox, whose claims lease no row it could see) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+SET LOCAL lock_timeout = '5s';
+ALTER TABLE "app"."relay_nodes" ADD COLUMN IF NOT EXISTS unordered_outbox text;
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 7, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 

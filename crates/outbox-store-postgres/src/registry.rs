@@ -137,6 +137,26 @@ impl PartitionRegistry for PgStore {
         .boxed()
     }
 
+    fn claim_mode_peers(
+        &self,
+        node: NodeId,
+        unordered: bool,
+        announce: bool,
+    ) -> StoreFuture<Vec<String>> {
+        let inner = self.inner.clone();
+        async move {
+            let rows = Self::coordinate(
+                &inner,
+                "nodes claiming the other way",
+                &inner.sql.claim_mode_peers,
+                &[&node.0, &unordered, &announce],
+            )
+            .await?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
+        }
+        .boxed()
+    }
+
     /// The count, for a node that partitions keys: in a database whose keys hash alike.
     fn partition_count(&self) -> StoreFuture<u32> {
         let store = self.clone();

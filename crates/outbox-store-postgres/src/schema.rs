@@ -356,6 +356,13 @@ ALTER TABLE {nodes} ADD COLUMN IF NOT EXISTS {column};"
                  node takes: '' for none, NULL for relays from before it)",
                 "partitions_table text",
             ),
+            nodes_column(
+                7,
+                "the nodes table's unordered_outbox column (the outbox an --ordering none node \
+                 relays: refused beside ordered nodes of the same outbox, whose claims lease no \
+                 row it could see)",
+                "unordered_outbox text",
+            ),
         ];
         Steps::new("outbox", steps)
     }
@@ -374,7 +381,8 @@ CREATE TABLE IF NOT EXISTS {} (
     id               text PRIMARY KEY,
     expiry           timestamp without time zone NOT NULL,
     protocol         integer,
-    partitions_table text
+    partitions_table text,
+    unordered_outbox text
 );",
             outbox_layout::sql::pg_create_schema(&self.nodes.schema.quoted()),
             self.nodes.quoted()
@@ -549,6 +557,9 @@ pub struct Statements {
     /// `partitions_table` column).
     pub partition_peers: String,
     pub partition_count: String,
+    /// How a node claims this outbox's rows, announced, and the nodes that claim them the
+    /// other way (`--ordering none` beside ordered nodes).
+    pub claim_mode_peers: String,
     pub acquire: String,
     pub renew: String,
     pub release_partitions: String,
@@ -616,6 +627,7 @@ impl Statements {
             nodes_behind: native.nodes_behind(),
             partition_peers: native.partition_peers(),
             partition_count: native.partition_count(),
+            claim_mode_peers: native.claim_mode_peers(),
             acquire: native.acquire(),
             renew: native.renew(),
             release_partitions: native.release_partitions(),
@@ -1161,9 +1173,9 @@ impl Native {
     fn takes_no_partitions(&self) -> (&'static str, &'static str, &'static str) {
         match self.native_nodes {
             true => (
-                ", partitions_table",
-                ", ''",
-                ", partitions_table = EXCLUDED.partitions_table",
+                ", partitions_table, unordered_outbox",
+                ", '', NULL",
+                ", partitions_table = EXCLUDED.partitions_table, unordered_outbox = NULL",
             ),
             false => ("", "", ""),
         }
@@ -1172,6 +1184,30 @@ impl Native {
     /// The partitions table's name as an SQL string literal (what `partitions_table` holds).
     fn parts_literal(&self) -> String {
         format!("'{}'", self.parts.replace('\'', "''"))
+    }
+
+    /// $1 node, $2 whether it relays unordered, $3 whether to announce it: with $3, writes
+    /// into the node's row how it claims this outbox's rows (ordered: whose partitions it
+    /// takes; unordered: which outbox it relays), then lists the other live nodes that claim
+    /// them the other way. The list is read in the statement's snapshot, before the write.
+    fn claim_mode_peers(&self) -> String {
+        let (nodes, parts) = (&self.nodes, self.parts_literal());
+        let outbox = format!("'{}'", self.t.replace('\'', "''"));
+        format!(
+            "WITH announced AS (
+                    UPDATE {nodes}
+                       SET partitions_table = CASE WHEN $2 THEN '' ELSE {parts} END,
+                           unordered_outbox = CASE WHEN $2 THEN {outbox} END
+                     WHERE id = $1 AND $3
+                       AND (partitions_table IS DISTINCT FROM (CASE WHEN $2 THEN '' ELSE {parts} END)
+                            OR unordered_outbox IS DISTINCT FROM (CASE WHEN $2 THEN {outbox} END))
+                 RETURNING id
+                 )
+                 SELECT id FROM {nodes}
+                  WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
+                    AND CASE WHEN $2 THEN partitions_table = {parts} ELSE unordered_outbox = {outbox} END
+                  ORDER BY id"
+        )
     }
 
     /// A row whose `partitions_table` is NULL was written by a relay from before the column,
@@ -1522,6 +1558,7 @@ mod tests {
                 ("nodes_behind", &s.nodes_behind),
                 ("partition_peers", &s.partition_peers),
                 ("partition_count", &s.partition_count),
+                ("claim_mode_peers", &s.claim_mode_peers),
                 ("acquire", &s.acquire),
                 ("renew", &s.renew),
                 ("release_partitions", &s.release_partitions),

@@ -1186,6 +1186,113 @@ async fn partitions_added_under_a_running_node_stop_it_and_its_restart_takes_the
     assert!(relay.terminate().await.success(), "{}", relay.logs());
 }
 
+/// Ordered and unordered (`--ordering none`) nodes on one outbox: an ordered claim leases
+/// no row, so the unordered node claimed the rows the ordered one held and most events went
+/// out twice, and nothing refused the mix. A node of either kind is now refused at its
+/// start beside nodes of the other (exit 2), and an unordered node that finds an ordered
+/// one while running (the two started together) stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordered_and_unordered_nodes_of_one_outbox_are_never_left_to_run_together() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let migrate = Command::new(BIN)
+        .args(["migrate", "--database-url", &url])
+        .output()
+        .unwrap();
+    assert!(migrate.status.success(), "{migrate:?}");
+    let start = |node: &str, ordering: &str| {
+        let args = [
+            "run",
+            "--node-id",
+            node,
+            "--ordering",
+            ordering,
+            "--heartbeat-interval",
+            "200ms",
+            "--database-url",
+            &url,
+            "--http-addr",
+            "",
+            "--sink",
+            "file:events.jsonl",
+        ];
+        RelayProcess::spawn(dir.path(), node, &args, &[])
+    };
+    let refused = |relay: &mut RelayProcess, said: &'static str| {
+        let logs = relay.logs();
+        assert!(logs.contains(said), "{logs}");
+    };
+    let db = pg(&url).await;
+    let db = &db;
+    let mut ordered = start("n1", "key");
+    eventually(
+        "n1 to hold partitions",
+        Duration::from_secs(30),
+        || async move { (partitions_held(db, "n1").await > 0).then_some(()) },
+    )
+    .await;
+    let mut unordered = start("u1", "none");
+    assert_eq!(
+        unordered
+            .wait_exit_within(Duration::from_secs(30))
+            .await
+            .code(),
+        Some(2),
+        "{}",
+        unordered.logs()
+    );
+    refused(
+        &mut unordered,
+        "this unordered (--ordering none) node would relay the outbox beside ordered node(s) n1",
+    );
+    assert!(ordered.terminate().await.success(), "{}", ordered.logs());
+
+    let mut unordered = start("u1", "none");
+    let announced =
+        "SELECT count(*) FROM outbox_nodes WHERE id = 'u1' AND unordered_outbox IS NOT NULL";
+    eventually(
+        "u1 to say it relays unordered",
+        Duration::from_secs(30),
+        || async move { (query_count(db, announced, &[]).await.ok()? == 1).then_some(()) },
+    )
+    .await;
+    let mut ordered = start("n2", "key");
+    assert_eq!(
+        ordered
+            .wait_exit_within(Duration::from_secs(30))
+            .await
+            .code(),
+        Some(2),
+        "{}",
+        ordered.logs()
+    );
+    refused(
+        &mut ordered,
+        "this ordered node would relay the outbox beside unordered (--ordering none) node(s) u1",
+    );
+    assert!(unordered.is_running(), "{}", unordered.logs());
+
+    // An ordered node that announced itself while the unordered one ran (as when the two
+    // start together): the unordered one stops.
+    db.batch_execute(
+        "INSERT INTO outbox_nodes (id, expiry, partitions_table)
+         VALUES ('n3', (now() AT TIME ZONE 'UTC') + interval '1 hour', '\"public\".\"outbox_partitions\"')",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        unordered
+            .wait_exit_within(Duration::from_secs(30))
+            .await
+            .code(),
+        Some(2),
+        "{}",
+        unordered.logs()
+    );
+    refused(&mut unordered, "beside ordered node(s) n3");
+    refused(&mut unordered, "stopping (exit 2)");
+}
+
 // ---- A rolling upgrade with two builds (issue 34 §1): scripts/rolling-upgrade.sh ----
 
 /// Waits until the writers have committed `events` events.

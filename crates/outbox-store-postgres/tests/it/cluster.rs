@@ -1289,6 +1289,14 @@ impl outbox_core::store::PartitionRegistry for FaultyPartitions {
     fn partition_count(&self) -> outbox_core::store::StoreFuture<u32> {
         self.store.partition_count()
     }
+    fn claim_mode_peers(
+        &self,
+        node: NodeId,
+        unordered: bool,
+        announce: bool,
+    ) -> outbox_core::store::StoreFuture<Vec<String>> {
+        self.store.claim_mode_peers(node, unordered, announce)
+    }
     fn acquire(
         &self,
         node: NodeId,
