@@ -459,6 +459,40 @@ async fn header_text_nats_cannot_carry_dead_letters_its_event_and_never_crashes_
 
 // ---- The table under a running relay ----
 
+/// A relay over a newly migrated PostgreSQL outbox at `url` (in `dir`) that writes the
+/// events of destination `good` to the file it returns, and the others to the sink `rest`.
+fn relay_good_to_a_file_and_the_rest_to(
+    dir: &Path,
+    url: &str,
+    rest: &str,
+) -> (RelayProcess, std::path::PathBuf) {
+    assert!(relay(dir, &["migrate", "--database-url", url])
+        .status
+        .success());
+    let out = dir.join("events.jsonl");
+    std::fs::write(
+        dir.join("relay.toml"),
+        format!(
+            "[sinks.file]\nuri = \"file:{}\"\n[sinks.rest]\nuri = \"{rest}\"\n\
+             [[routes]]\ndestinations = \"good\"\nsink = \"file\"\n\
+             [[routes]]\ndestinations = \"*\"\nsink = \"rest\"\n",
+            out.display()
+        ),
+    )
+    .unwrap();
+    let args = [
+        "--config",
+        "relay.toml",
+        "run",
+        "--http-addr",
+        "",
+        "--log-format",
+        "json",
+    ];
+    let process = RelayProcess::spawn(dir, "relay", &args, &[("DATABASE_URL", url)]);
+    (process, out)
+}
+
 #[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncating_the_outbox_under_a_running_relay_loses_nothing_written_after_it() {
@@ -466,36 +500,8 @@ async fn truncating_the_outbox_under_a_running_relay_loses_nothing_written_after
     let nats = std::env::var("OUTBOX_TEST_NATS_URL")
         .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    assert!(relay(d, &["migrate", "--database-url", &url])
-        .status
-        .success());
-    let out = d.join("events.jsonl");
     // Events for a subject no stream captures wait to retry when the table is truncated.
-    std::fs::write(
-        d.join("relay.toml"),
-        format!(
-            "[sinks.file]\nuri = \"file:{}\"\n[sinks.nats]\nuri = \"{nats}\"\n\
-             [[routes]]\ndestinations = \"good\"\nsink = \"file\"\n\
-             [[routes]]\ndestinations = \"*\"\nsink = \"nats\"\n",
-            out.display()
-        ),
-    )
-    .unwrap();
-    let mut relay_process = RelayProcess::spawn(
-        d,
-        "truncate",
-        &[
-            "--config",
-            "relay.toml",
-            "run",
-            "--http-addr",
-            "",
-            "--log-format",
-            "json",
-        ],
-        &[("DATABASE_URL", url.as_str())],
-    );
+    let (mut relay_process, out) = relay_good_to_a_file_and_the_rest_to(dir.path(), &url, &nats);
     let client = pg(&url).await;
     client
         .batch_execute(
@@ -532,32 +538,40 @@ async fn truncating_the_outbox_under_a_running_relay_loses_nothing_written_after
         )
         .await
         .unwrap();
+    the_rows_written_after_the_truncate_are_delivered(&out, &client).await;
+    assert!(relay_process.is_running());
+    assert!(relay_process.terminate().await.success());
+}
+
+/// The 5 rows of destination `good` written after the TRUNCATE (payloads 101 to 105) are in
+/// `out`, and acked: none is left behind.
+async fn the_rows_written_after_the_truncate_are_delivered(
+    out: &Path,
+    client: &tokio_postgres::Client,
+) {
     wait_for_lines(
         "the events written after the TRUNCATE",
-        &out,
+        out,
         Duration::from_secs(30),
         |n| n >= 5,
     )
     .await;
-    let lines = read_lines(&out);
+    let lines = read_lines(out);
     let mut payloads: Vec<i64> = lines
         .iter()
         .map(|l| l["payload"].as_i64().unwrap())
         .collect();
     payloads.sort_unstable();
     assert_eq!(payloads, [101, 102, 103, 104, 105], "{lines:?}");
-    // The ack follows the write: the new rows are acked, none is left behind.
     let outbox = "SELECT count(*) FROM outbox";
     wait_for_count(
         "the new rows acked",
-        &client,
+        client,
         outbox,
         0,
         Duration::from_secs(30),
     )
     .await;
-    assert!(relay_process.is_running());
-    assert!(relay_process.terminate().await.success());
 }
 
 /// A webhook that reads each request, reports its body, and answers 200 only once `open`
@@ -598,37 +612,9 @@ async fn gated_webhook(
 async fn truncating_the_outbox_while_events_are_in_flight_keeps_the_rows_that_take_their_ids() {
     let url = fresh_pg_database().await;
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    assert!(relay(d, &["migrate", "--database-url", &url])
-        .status
-        .success());
     let (open_tx, open) = tokio::sync::watch::channel(false);
     let (hook, mut bodies) = gated_webhook(open).await;
-    let out = d.join("events.jsonl");
-    std::fs::write(
-        d.join("relay.toml"),
-        format!(
-            "[sinks.file]\nuri = \"file:{}\"\n[sinks.hook]\nuri = \"{hook}\"\n\
-             [[routes]]\ndestinations = \"good\"\nsink = \"file\"\n\
-             [[routes]]\ndestinations = \"*\"\nsink = \"hook\"\n",
-            out.display()
-        ),
-    )
-    .unwrap();
-    let mut relay_process = RelayProcess::spawn(
-        d,
-        "truncate-in-flight",
-        &[
-            "--config",
-            "relay.toml",
-            "run",
-            "--http-addr",
-            "",
-            "--log-format",
-            "json",
-        ],
-        &[("DATABASE_URL", url.as_str())],
-    );
+    let (mut relay_process, out) = relay_good_to_a_file_and_the_rest_to(dir.path(), &url, &hook);
     let client = pg(&url).await;
     client
         .batch_execute(
@@ -658,28 +644,7 @@ async fn truncating_the_outbox_while_events_are_in_flight_keeps_the_rows_that_ta
         .await
         .unwrap();
     open_tx.send(true).unwrap();
-    wait_for_lines(
-        "the events written after the TRUNCATE",
-        &out,
-        Duration::from_secs(30),
-        |n| n >= 5,
-    )
-    .await;
-    let lines = read_lines(&out);
-    let mut payloads: Vec<i64> = lines
-        .iter()
-        .map(|l| l["payload"].as_i64().unwrap())
-        .collect();
-    payloads.sort_unstable();
-    assert_eq!(payloads, [101, 102, 103, 104, 105], "{lines:?}");
-    wait_for_count(
-        "the new rows acked",
-        &client,
-        "SELECT count(*) FROM outbox",
-        0,
-        Duration::from_secs(30),
-    )
-    .await;
+    the_rows_written_after_the_truncate_are_delivered(&out, &client).await;
     assert!(relay_process.terminate().await.success());
 }
 

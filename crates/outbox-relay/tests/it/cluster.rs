@@ -1110,35 +1110,47 @@ async fn relays_of_two_outboxes_sharing_the_nodes_table_each_take_all_their_part
     assert!(billing.terminate().await.success(), "{}", billing.logs());
 }
 
+/// A new database with the outbox migrated; its URL.
+async fn migrated_outbox() -> String {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let migrate = Command::new(BIN)
+        .args(["migrate", "--database-url", &url])
+        .output()
+        .unwrap();
+    assert!(migrate.status.success(), "{migrate:?}");
+    url
+}
+
+/// Node `node` of the outbox at `url`, `--ordering ordering`, heartbeating every 200 ms and
+/// writing its events to `events.jsonl` in `dir`.
+fn node_to_a_file(dir: &std::path::Path, url: &str, node: &str, ordering: &str) -> RelayProcess {
+    let args = [
+        "run",
+        "--node-id",
+        node,
+        "--ordering",
+        ordering,
+        "--heartbeat-interval",
+        "200ms",
+        "--database-url",
+        url,
+        "--http-addr",
+        "",
+        "--sink",
+        "file:events.jsonl",
+    ];
+    RelayProcess::spawn(dir, node, &args, &[])
+}
+
 /// Partitions added to the partitions table under a running node: the node kept hashing
 /// keys by the count it started with, partitions 64 to 127 stayed unowned, a node started
 /// after the change hashed by 128 and shared keys with it, and `/readyz` said nothing. The
 /// node now stops (exit 1, naming the change), and started again takes the new count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitions_added_under_a_running_node_stop_it_and_its_restart_takes_the_new_count() {
-    let url = outbox_testkit::fresh_pg_database().await;
+    let url = migrated_outbox().await;
     let dir = tempfile::tempdir().unwrap();
-    let migrate = Command::new(BIN)
-        .args(["migrate", "--database-url", &url])
-        .output()
-        .unwrap();
-    assert!(migrate.status.success(), "{migrate:?}");
-    let start = || {
-        let args = [
-            "run",
-            "--node-id",
-            "n1",
-            "--heartbeat-interval",
-            "200ms",
-            "--database-url",
-            &url,
-            "--http-addr",
-            "",
-            "--sink",
-            "file:events.jsonl",
-        ];
-        RelayProcess::spawn(dir.path(), "n1", &args, &[])
-    };
+    let start = || node_to_a_file(dir.path(), &url, "n1", "key");
     let db = pg(&url).await;
     let db = &db;
     let holds = |count: i64| async move {
@@ -1193,31 +1205,9 @@ async fn partitions_added_under_a_running_node_stop_it_and_its_restart_takes_the
 /// one while running (the two started together) stops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ordered_and_unordered_nodes_of_one_outbox_are_never_left_to_run_together() {
-    let url = outbox_testkit::fresh_pg_database().await;
+    let url = migrated_outbox().await;
     let dir = tempfile::tempdir().unwrap();
-    let migrate = Command::new(BIN)
-        .args(["migrate", "--database-url", &url])
-        .output()
-        .unwrap();
-    assert!(migrate.status.success(), "{migrate:?}");
-    let start = |node: &str, ordering: &str| {
-        let args = [
-            "run",
-            "--node-id",
-            node,
-            "--ordering",
-            ordering,
-            "--heartbeat-interval",
-            "200ms",
-            "--database-url",
-            &url,
-            "--http-addr",
-            "",
-            "--sink",
-            "file:events.jsonl",
-        ];
-        RelayProcess::spawn(dir.path(), node, &args, &[])
-    };
+    let start = |node: &str, ordering: &str| node_to_a_file(dir.path(), &url, node, ordering);
     let refused = |relay: &mut RelayProcess, said: &'static str| {
         let logs = relay.logs();
         assert!(logs.contains(said), "{logs}");
