@@ -503,13 +503,7 @@ async fn truncating_the_outbox_under_a_running_relay_loses_nothing_written_after
     // Events for a subject no stream captures wait to retry when the table is truncated.
     let (mut relay_process, out) = relay_good_to_a_file_and_the_rest_to(dir.path(), &url, &nats);
     let client = pg(&url).await;
-    client
-        .batch_execute(
-            "INSERT INTO outbox (destination, partition_key, event_type, payload)
-             SELECT 'nostream', 'k' || i, 't', to_jsonb(i) FROM generate_series(1, 5) i",
-        )
-        .await
-        .unwrap();
+    write_five(&client, "nostream", 0).await;
     eventually_explained(
         "the events to wait for a retry",
         Duration::from_secs(30),
@@ -531,16 +525,22 @@ async fn truncating_the_outbox_under_a_running_relay_loses_nothing_written_after
         .batch_execute("TRUNCATE outbox RESTART IDENTITY")
         .await
         .unwrap();
-    client
-        .batch_execute(
-            "INSERT INTO outbox (destination, partition_key, event_type, payload)
-             SELECT 'good', 'k' || i, 't', to_jsonb(100 + i) FROM generate_series(1, 5) i",
-        )
-        .await
-        .unwrap();
+    write_five(&client, "good", 100).await;
     the_rows_written_after_the_truncate_are_delivered(&out, &client).await;
     assert!(relay_process.is_running());
     assert!(relay_process.terminate().await.success());
+}
+
+/// Writes 5 events for `destination`, keys `k1` to `k5`, payloads `offset` + 1 to + 5.
+async fn write_five(client: &tokio_postgres::Client, destination: &str, offset: i32) {
+    client
+        .execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             SELECT $1, 'k' || i, 't', to_jsonb($2 + i) FROM generate_series(1, 5) i",
+            &[&destination, &offset],
+        )
+        .await
+        .unwrap();
 }
 
 /// The 5 rows of destination `good` written after the TRUNCATE (payloads 101 to 105) are in
@@ -616,13 +616,7 @@ async fn truncating_the_outbox_while_events_are_in_flight_keeps_the_rows_that_ta
     let (hook, mut bodies) = gated_webhook(open).await;
     let (mut relay_process, out) = relay_good_to_a_file_and_the_rest_to(dir.path(), &url, &hook);
     let client = pg(&url).await;
-    client
-        .batch_execute(
-            "INSERT INTO outbox (destination, partition_key, event_type, payload)
-             SELECT 'held', 'k' || i, 't', to_jsonb(i) FROM generate_series(1, 5) i",
-        )
-        .await
-        .unwrap();
+    write_five(&client, "held", 0).await;
     for _ in 0..5 {
         tokio::time::timeout(Duration::from_secs(30), bodies.recv())
             .await
@@ -636,13 +630,10 @@ async fn truncating_the_outbox_while_events_are_in_flight_keeps_the_rows_that_ta
     }
     // Published and unanswered: in flight. The new rows take sequence ids 1 to 5 again.
     client
-        .batch_execute(
-            "TRUNCATE outbox RESTART IDENTITY;
-             INSERT INTO outbox (destination, partition_key, event_type, payload)
-             SELECT 'good', 'k' || i, 't', to_jsonb(100 + i) FROM generate_series(1, 5) i",
-        )
+        .batch_execute("TRUNCATE outbox RESTART IDENTITY")
         .await
         .unwrap();
+    write_five(&client, "good", 100).await;
     open_tx.send(true).unwrap();
     the_rows_written_after_the_truncate_are_delivered(&out, &client).await;
     assert!(relay_process.terminate().await.success());
