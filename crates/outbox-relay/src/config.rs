@@ -88,7 +88,8 @@ outbox_core::settings! {
         /// native outbox); none: every node claims any ready rows, for maximum throughput (a
         /// mapped layout, every MySQL/MariaDB outbox among them, runs one active relay either
         /// way: none only stops one key's failure from holding back its later events). All
-        /// nodes of a cluster must use the same mode.
+        /// nodes of an outbox use the same mode: on PostgreSQL's native outbox a node is
+        /// refused (exit 2) beside live nodes of the other mode.
         pub ordering: OrderingMode = OrderingMode::Key,
         /// Log format.
         pub log_format: LogFormat = LogFormat::Text,
