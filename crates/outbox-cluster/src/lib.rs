@@ -17,7 +17,7 @@ pub mod settings;
 
 pub use settings::{ClusterSettings, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT};
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -95,16 +95,7 @@ impl Coordinator {
     ) -> Result<Self, StoreError> {
         let modes = claims.modes();
         if let Some((modes_registry, unordered)) = &modes {
-            let peers = modes_registry
-                .claim_mode_peers(config.node.clone(), *unordered, false)
-                .await?;
-            if !peers.is_empty() {
-                return Err(StoreError::new(
-                    StoreErrorKind::Config,
-                    claim_modes_meet(*unordered, &peers, "refused"),
-                )
-                .with_hint("run every node of one outbox with the same --ordering"));
-            }
+            wait_out_other_mode(&*registry, &**modes_registry, *unordered, &config).await?;
         }
         let partitions = match claims {
             Claims::Partitions(partitions) => Some(partitions),
@@ -307,6 +298,71 @@ async fn register(
             Some(_) => {}
         }
         // A live process beats every heartbeat interval; look a few times per interval.
+        tokio::time::sleep(config.settings.heartbeat_interval / 4).await;
+    }
+}
+
+/// Returns once no live node claims the outbox's rows the other way from this one
+/// (`unordered` or not), and refuses ([`StoreErrorKind::Config`]) if one does. A node that
+/// died without deregistering (kill -9) keeps its row until its expiry, so a node found is
+/// watched as [`register`] watches a node id: its heartbeat moving refuses, its row expiring
+/// lets this node start. A switch of modes after a crash then needs no second start.
+async fn wait_out_other_mode(
+    registry: &dyn NodeRegistry,
+    modes: &dyn PartitionRegistry,
+    unordered: bool,
+    config: &ClusterConfig,
+) -> Result<(), StoreError> {
+    let mut first_seen: Option<BTreeMap<String, std::time::SystemTime>> = None;
+    loop {
+        let peers = modes
+            .claim_mode_peers(config.node.clone(), unordered, false)
+            .await?;
+        if peers.is_empty() {
+            return Ok(());
+        }
+        let expiries: BTreeMap<String, std::time::SystemTime> = registry
+            .live_nodes()
+            .await?
+            .into_iter()
+            .filter(|n| peers.contains(&n.id))
+            .map(|n| (n.id, n.expiry))
+            .collect();
+        match &first_seen {
+            None => {
+                tracing::warn!(
+                    "{}",
+                    claim_modes_meet(
+                        unordered,
+                        &peers,
+                        "waiting for their heartbeats to move (refused) or their rows to \
+                         expire (they died)"
+                    )
+                );
+                first_seen = Some(expiries);
+            }
+            Some(seen) => {
+                let alive: Vec<String> = expiries
+                    .iter()
+                    .filter(|(id, expiry)| seen.get(*id).is_some_and(|was| was != *expiry))
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                if !alive.is_empty() {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Config,
+                        claim_modes_meet(unordered, &alive, "refused"),
+                    )
+                    .with_hint("run every node of one outbox with the same --ordering"));
+                }
+                // Nodes that appeared since are watched from now.
+                let mut seen = seen.clone();
+                for (id, expiry) in expiries {
+                    seen.entry(id).or_insert(expiry);
+                }
+                first_seen = Some(seen);
+            }
+        }
+        // A live node beats every heartbeat interval; look a few times per interval.
         tokio::time::sleep(config.settings.heartbeat_interval / 4).await;
     }
 }

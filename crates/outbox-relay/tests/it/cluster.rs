@@ -1121,8 +1121,8 @@ async fn migrated_outbox() -> String {
     url
 }
 
-/// Node `node` of the outbox at `url`, `--ordering ordering`, heartbeating every 200 ms and
-/// writing its events to `events.jsonl` in `dir`.
+/// Node `node` of the outbox at `url`, `--ordering ordering`, heartbeating every 200 ms (its
+/// row expires 3 s after the last) and writing its events to `events.jsonl` in `dir`.
 fn node_to_a_file(dir: &std::path::Path, url: &str, node: &str, ordering: &str) -> RelayProcess {
     let args = [
         "run",
@@ -1132,6 +1132,8 @@ fn node_to_a_file(dir: &std::path::Path, url: &str, node: &str, ordering: &str) 
         ordering,
         "--heartbeat-interval",
         "200ms",
+        "--heartbeat-timeout",
+        "3s",
         "--database-url",
         url,
         "--http-addr",
@@ -1259,6 +1261,36 @@ async fn ordered_and_unordered_nodes_of_one_outbox_are_never_left_to_run_togethe
     .unwrap();
     refused(&mut unordered, "beside ordered node(s) n3").await;
     assert!(unordered.logs().contains("stopping (exit 2)"));
+
+    // A node of the other kind that died keeps its row until its expiry: waited out.
+    db.batch_execute("DELETE FROM outbox_nodes WHERE id = 'n3'")
+        .await
+        .unwrap();
+    let mut unordered = start("u2", "none");
+    let announced =
+        "SELECT count(*) FROM outbox_nodes WHERE id = 'u2' AND unordered_outbox IS NOT NULL";
+    eventually(
+        "u2 to say it relays unordered",
+        Duration::from_secs(30),
+        || async move { (query_count(db, announced, &[]).await.ok()? == 1).then_some(()) },
+    )
+    .await;
+    unordered.kill9();
+    let mut ordered = start("n4", "key");
+    eventually(
+        "n4 to hold partitions once u2's row expired",
+        Duration::from_secs(30),
+        || async move { (partitions_held(db, "n4").await > 0).then_some(()) },
+    )
+    .await;
+    assert!(
+        ordered
+            .logs()
+            .contains("waiting for their heartbeats to move"),
+        "{}",
+        ordered.logs()
+    );
+    assert!(ordered.terminate().await.success(), "{}", ordered.logs());
 }
 
 // ---- A rolling upgrade with two builds (issue 34 §1): scripts/rolling-upgrade.sh ----
