@@ -19,15 +19,22 @@ use crate::settings::{ConfirmTimeout, TlsFiles};
 use crate::sink::{fail_all, Routed, Sink};
 
 /// Appends unless the event's id was seen within the window and its entry is still in the
-/// stream. The id is recorded only after XADD succeeded, so a failed append never marks the
-/// event as sent. An entry gone since (the stream deleted or trimmed: what `replay` is for)
-/// is appended again: a replay within the window was counted as published, and nothing was.
+/// stream. An entry gone since (the stream deleted or trimmed: what `replay` is for) is
+/// appended again: a replay within the window was counted as published, and nothing was.
+/// - The id is recorded only after XADD succeeded, so a failed append never marks the event
+///   as sent.
+/// - Before the XADD, the key is written as `pending`: a user that may append but not
+///   write the key (an ACL without SET) is refused before anything is appended. Redis does
+///   not undo a script's writes, and the append that went through was made again at every
+///   retry. A `pending` key is no record of an append.
+///
 /// KEYS: stream, dedupe key. ARGV: window seconds, maxlen (0: none), field/value pairs.
 const APPEND_ONCE: &str = r#"
 local seen = redis.call('GET', KEYS[2])
-if seen and #redis.call('XRANGE', KEYS[1], seen, seen) > 0 then
+if seen and seen ~= 'pending' and #redis.call('XRANGE', KEYS[1], seen, seen) > 0 then
   return false
 end
+redis.call('SET', KEYS[2], 'pending', 'EX', ARGV[1])
 local id
 if tonumber(ARGV[2]) > 0 then
   id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
@@ -171,7 +178,8 @@ impl Inner {
                 PublishErrorKind::Unavailable,
                 format!(
                     "{} is a Redis Cluster node: Redis Cluster is not supported; point the sink \
-                     at a standalone server or a Sentinel-managed primary",
+                     at a standalone server, or at the primary under a name that follows \
+                     failovers",
                     self.shown
                 ),
             ));
@@ -181,13 +189,47 @@ impl Inner {
     }
 }
 
+/// What a user of the sink may need granted: the script's commands, on the streams and the
+/// de-duplication keys.
+const GRANTS: &str = "grant the sink's Redis user +evalsha +script|load +get +set +xrange \
+    +xadd +ping on the streams' keys and ~outbox-relay:dedupe:*";
+
 /// The one place Redis errors become publish outcomes, by the client's kind and, for the
 /// server's replies the client has no kind for, by the reply's error code (its first word,
-/// `WRONGTYPE`), never by the message text.
+/// `WRONGTYPE`). One exception reads the text: Redis 7.0 refuses a command inside a script
+/// for the user's ACL with the generic code `ERR`.
 fn classify(error: RedisError, what: &str) -> PublishError {
+    let refused_in_script = error.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+        && error
+            .detail()
+            .is_some_and(|d| d.contains("can't run this command"));
+    if refused_in_script {
+        return PublishError::new(
+            PublishErrorKind::Unauthorized,
+            format!("redis {what}: the user may not run a command of the relay's script; {GRANTS}"),
+        )
+        .with_source(error);
+    }
     let kind = match error.kind() {
-        ErrorKind::AuthenticationFailed | ErrorKind::Server(ServerErrorKind::NoPerm) => {
-            PublishErrorKind::Unauthorized
+        ErrorKind::AuthenticationFailed => PublishErrorKind::Unauthorized,
+        ErrorKind::Server(ServerErrorKind::NoPerm) => {
+            return PublishError::new(
+                PublishErrorKind::Unauthorized,
+                format!("redis {what}: refused for the user's permissions; {GRANTS}"),
+            )
+            .with_source(error)
+        }
+        // The server was demoted (a failover): the connection is made again for the next
+        // send, which finds the primary where the name now points.
+        ErrorKind::Server(ServerErrorKind::ReadOnly) => {
+            return PublishError::new(
+                PublishErrorKind::Unavailable,
+                format!(
+                    "redis {what}: the server is a read-only replica; point the sink at the \
+                     primary (a name that follows failovers)"
+                ),
+            )
+            .with_source(error)
         }
         ErrorKind::Io => PublishErrorKind::Unavailable,
         _ if error.is_timeout() => PublishErrorKind::Timeout,
@@ -236,6 +278,8 @@ impl Sink for RedisSink {
                 Ok(c) => c,
                 Err(e) => return fail_all(&batch, &e),
             };
+            let demoted = std::sync::atomic::AtomicBool::new(false);
+            let demoted = &demoted;
             let appends = batch.iter().map(|routed| {
                 let mut connection = connection.clone();
                 let event = &routed.event;
@@ -272,10 +316,20 @@ impl Sink for RedisSink {
                         .invoke_async::<Option<String>>(&mut connection)
                         .await
                         .map(|_| ())
-                        .map_err(|e| classify(e, shown))
+                        .map_err(|e| {
+                            if e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly) {
+                                demoted.store(true, std::sync::atomic::Ordering::Relaxed);
+                            }
+                            classify(e, shown)
+                        })
                 }
             });
-            join_all(appends).await
+            let outcomes = join_all(appends).await;
+            if demoted.load(std::sync::atomic::Ordering::Relaxed) {
+                // READONLY keeps the connection open: made again, it finds the primary.
+                *inner.connection.lock().await = None;
+            }
+            outcomes
         }
         .boxed()
     }

@@ -341,6 +341,139 @@ async fn refusals_are_classified_by_the_servers_error_code() {
     assert_eq!(err.kind(), PublishErrorKind::Unauthorized, "{err}");
 }
 
+/// A user allowed to append to streams and run scripts but not to write the event's
+/// de-duplication key (`+@read +@stream +@scripting`, a natural least-privilege set, has no
+/// SET): the script's XADD went through, its SET failed, the attempt counted as failed, and
+/// every retry appended the event again (20 entries of one event, then a dead letter). The
+/// script now proves it may write the key before it appends, so a refusal appends nothing,
+/// and the refusal is unauthorized, naming the grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_that_may_append_but_not_record_the_event_appends_nothing() {
+    use outbox_core::PublishErrorKind;
+    let server = redis_server(&[]);
+    let mut admin = redis::Client::open(url(&server))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "streamer",
+            "on",
+            ">pw",
+            "~*",
+            "+@read",
+            "+@stream",
+            "+@scripting",
+            "+@connection",
+            "+info",
+        ])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let limited = SinkConfig::new(format!("redis://streamer:pw@127.0.0.1:{}", server.port));
+    for _ in 0..3 {
+        let err = send_one(&limited, "orders")
+            .await
+            .expect_err("the user may not SET");
+        assert_eq!(err.kind(), PublishErrorKind::Unauthorized, "{err}");
+        assert!(err.to_string().contains("outbox-relay:dedupe:"), "{err}");
+    }
+    let len: usize = admin.xlen("orders").await.unwrap();
+    assert_eq!(len, 0, "a refused attempt appended the event");
+    // Granted, the event goes out once, however often it is sent.
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "streamer", "+set"])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let sink = outbox_publishers::build_sink("redis", &limited)
+        .await
+        .unwrap();
+    let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
+    for _ in 0..2 {
+        let sent = sink
+            .send(vec![outbox_publishers::Routed {
+                cloudevents: None,
+                event: event.clone(),
+                target: "orders".into(),
+            }])
+            .await
+            .remove(0);
+        assert!(sent.is_ok(), "{sent:?}");
+    }
+    let len: usize = admin.xlen("orders").await.unwrap();
+    assert_eq!(len, 1);
+}
+
+/// A server demoted to a replica (`REPLICAOF`, as a failover does to the old primary)
+/// answers every write READONLY on the connection the sink kept: each event failed as a
+/// broker failure until dead-lettered, and the sink never connected again (a name that
+/// follows the failover to the new primary was never looked up again). It says the server
+/// is a read-only replica, and connects again for the next send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_demoted_to_a_replica_is_said_so_and_connected_to_again() {
+    use outbox_core::PublishErrorKind;
+    let server = redis_server(&[]);
+    let mut admin = redis::Client::open(url(&server))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let sink = outbox_publishers::build_sink("redis", &SinkConfig::new(url(&server)))
+        .await
+        .unwrap();
+    let send = |n: i64| {
+        let sink = sink.clone();
+        async move {
+            let event = outbox_testkit::publisher::event(n, "k", b"{}".to_vec());
+            sink.send(vec![outbox_publishers::Routed {
+                cloudevents: None,
+                event,
+                target: "orders".into(),
+            }])
+            .await
+            .remove(0)
+        }
+    };
+    assert!(send(1).await.is_ok());
+    let clients = |admin: &mut redis::aio::MultiplexedConnection| {
+        let mut admin = admin.clone();
+        async move {
+            let list: String = redis::cmd("CLIENT")
+                .arg("LIST")
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+            list.lines()
+                .filter_map(|l| l.split(' ').next()?.strip_prefix("id="))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        }
+    };
+    let before = clients(&mut admin).await;
+    let _: () = redis::cmd("REPLICAOF")
+        .arg(&["127.0.0.1", "1"])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let err = send(2).await.expect_err("a replica refuses writes");
+    assert_eq!(err.kind(), PublishErrorKind::Unavailable, "{err}");
+    assert!(err.to_string().contains("read-only replica"), "{err}");
+    let _: () = redis::cmd("REPLICAOF")
+        .arg(&["NO", "ONE"])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(send(3).await.is_ok());
+    let after = clients(&mut admin).await;
+    assert!(
+        after.iter().any(|id| !before.contains(id)),
+        "the sink went on with its old connection: {before:?} then {after:?}"
+    );
+}
+
 /// A server with INFO renamed away (`rename-command INFO ""`, as hardened installs do)
 /// answered the sink's cluster check "unknown command", and every event failed until it was
 /// dead-lettered. The check is skipped there, as for a role allowed no INFO.
