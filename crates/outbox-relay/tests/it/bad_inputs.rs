@@ -459,12 +459,14 @@ async fn header_text_nats_cannot_carry_dead_letters_its_event_and_never_crashes_
 
 // ---- The table under a running relay ----
 
-/// A relay over a newly migrated PostgreSQL outbox at `url` (in `dir`) that writes the
-/// events of destination `good` to the file it returns, and the others to the sink `rest`.
+/// A relay over a newly migrated PostgreSQL outbox at `url` (in `dir`), run with `extra`,
+/// that writes the events of destination `good` to the file it returns, and the others to
+/// the sink `rest`.
 fn relay_good_to_a_file_and_the_rest_to(
     dir: &Path,
     url: &str,
     rest: &str,
+    extra: &[&str],
 ) -> (RelayProcess, std::path::PathBuf) {
     assert!(relay(dir, &["migrate", "--database-url", url])
         .status
@@ -480,7 +482,7 @@ fn relay_good_to_a_file_and_the_rest_to(
         ),
     )
     .unwrap();
-    let args = [
+    let mut args = vec![
         "--config",
         "relay.toml",
         "run",
@@ -489,6 +491,7 @@ fn relay_good_to_a_file_and_the_rest_to(
         "--log-format",
         "json",
     ];
+    args.extend_from_slice(extra);
     let process = RelayProcess::spawn(dir, "relay", &args, &[("DATABASE_URL", url)]);
     (process, out)
 }
@@ -501,7 +504,8 @@ async fn truncating_the_outbox_under_a_running_relay_loses_nothing_written_after
         .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
     let dir = tempfile::tempdir().unwrap();
     // Events for a subject no stream captures wait to retry when the table is truncated.
-    let (mut relay_process, out) = relay_good_to_a_file_and_the_rest_to(dir.path(), &url, &nats);
+    let (mut relay_process, out) =
+        relay_good_to_a_file_and_the_rest_to(dir.path(), &url, &nats, &[]);
     let client = pg(&url).await;
     write_five(&client, "nostream", 0).await;
     eventually_explained(
@@ -552,7 +556,7 @@ async fn the_rows_written_after_the_truncate_are_delivered(
     wait_for_lines(
         "the events written after the TRUNCATE",
         out,
-        Duration::from_secs(30),
+        Duration::from_secs(60),
         |n| n >= 5,
     )
     .await;
@@ -610,11 +614,36 @@ async fn gated_webhook(
 /// sequence id and its event id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncating_the_outbox_while_events_are_in_flight_keeps_the_rows_that_take_their_ids() {
+    truncate_under_events_in_flight(&[]).await;
+}
+
+/// The same, unordered: an unordered claim leaves out no id the node holds, so it handed the
+/// new rows out under the held ids (the engine drops them as held, and they go out once
+/// their lease runs out), and the held events' acks were checked against the new rows'
+/// event ids, and deleted them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncating_the_outbox_while_unordered_events_are_in_flight_keeps_the_rows_that_take_their_ids(
+) {
+    truncate_under_events_in_flight(&[
+        "--ordering",
+        "none",
+        "--lease",
+        "20s",
+        "--publish-timeout",
+        "16s",
+    ])
+    .await;
+}
+
+/// Five events held in flight by a webhook; the outbox truncated with RESTART IDENTITY and
+/// five rows written for the file sink; the webhook answers: the five rows are delivered.
+async fn truncate_under_events_in_flight(extra: &[&str]) {
     let url = fresh_pg_database().await;
     let dir = tempfile::tempdir().unwrap();
     let (open_tx, open) = tokio::sync::watch::channel(false);
     let (hook, mut bodies) = gated_webhook(open).await;
-    let (mut relay_process, out) = relay_good_to_a_file_and_the_rest_to(dir.path(), &url, &hook);
+    let (mut relay_process, out) =
+        relay_good_to_a_file_and_the_rest_to(dir.path(), &url, &hook, extra);
     let client = pg(&url).await;
     write_five(&client, "held", 0).await;
     for _ in 0..5 {
@@ -634,6 +663,18 @@ async fn truncating_the_outbox_while_events_are_in_flight_keeps_the_rows_that_ta
         .await
         .unwrap();
     write_five(&client, "good", 100).await;
+    if extra.contains(&"none") {
+        // Handed out under the held ids before the held events are answered.
+        let leased = "SELECT count(*) FROM outbox WHERE locked_until IS NOT NULL";
+        wait_for_count(
+            "the new rows leased",
+            &client,
+            leased,
+            5,
+            Duration::from_secs(30),
+        )
+        .await;
+    }
     open_tx.send(true).unwrap();
     the_rows_written_after_the_truncate_are_delivered(&out, &client).await;
     assert!(relay_process.terminate().await.success());
