@@ -102,6 +102,17 @@ impl Coordinator {
             Claims::Unordered(_) | Claims::Elsewhere => None,
         };
         let incarnation = register(&*registry, &config).await?;
+        if let Some((modes_registry, unordered)) = &modes {
+            let met = announce_then_look(&**modes_registry, *unordered, &config.node).await;
+            if !matches!(&met, Ok(peers) if peers.is_empty()) {
+                let _ = registry.deregister(config.node.clone(), incarnation).await;
+                let peers = met?;
+                return Err(StoreError::new(
+                    StoreErrorKind::Config,
+                    claim_modes_meet(*unordered, &peers, "refused (the nodes started together)"),
+                ));
+            }
+        }
         tracing::info!(node = %config.node, "registered in the nodes table");
         metrics::describe_gauge!(CLUSTER_NODES, "Live nodes in the nodes table.");
         metrics::describe_gauge!(
@@ -302,6 +313,22 @@ async fn register(
     }
 }
 
+/// Says in the node's row how it claims the outbox's rows, then lists the live nodes that
+/// claim them the other way, in a statement of its own: of two nodes of the two kinds
+/// starting together, at least one then sees the other (its look runs after the other's
+/// announcement committed, or the other's look after its own). The look before the
+/// registration ([`wait_out_other_mode`]) saw neither, and both relayed, most events twice.
+async fn announce_then_look(
+    modes: &dyn PartitionRegistry,
+    unordered: bool,
+    node: &NodeId,
+) -> Result<Vec<String>, StoreError> {
+    modes
+        .claim_mode_peers(node.clone(), unordered, true)
+        .await?;
+    modes.claim_mode_peers(node.clone(), unordered, false).await
+}
+
 /// Returns once no live node claims the outbox's rows the other way from this one
 /// (`unordered` or not), and refuses ([`StoreErrorKind::Config`]) if one does. A node that
 /// died without deregistering (kill -9) keeps its row until its expiry, so a node found is
@@ -351,8 +378,7 @@ async fn wait_out_other_mode(
                     return Err(StoreError::new(
                         StoreErrorKind::Config,
                         claim_modes_meet(unordered, &alive, "refused"),
-                    )
-                    .with_hint("run every node of one outbox with the same --ordering"));
+                    ));
                 }
                 // Nodes that appeared since are watched from now.
                 let mut seen = seen.clone();
@@ -895,7 +921,20 @@ fn partitions_changed(count: u32, numbers: &[i32]) -> Option<String> {
         return None;
     }
     let now = match (numbers.first(), numbers.last()) {
-        (Some(first), Some(last)) => format!("{} rows, numbered {first} to {last}", numbers.len()),
+        (Some(first), Some(last)) => {
+            let missing: Vec<String> = (0..*last)
+                .filter(|n| numbers.binary_search(n).is_err())
+                .map(|n| n.to_string())
+                .collect();
+            let missing = match missing.is_empty() {
+                true => String::new(),
+                false => format!(", lacking {}", missing.join(", ")),
+            };
+            format!(
+                "{} rows, numbered {first} to {last}{missing}",
+                numbers.len()
+            )
+        }
         _ => "no rows".to_string(),
     };
     Some(format!(
@@ -903,8 +942,9 @@ fn partitions_changed(count: u32, numbers: &[i32]) -> Option<String> {
          node started with {count} partitions (0 to {}). Nodes split keys by the count they \
          started with, so a node going on beside nodes started after the change would share \
          keys with them, publishing events twice and out of order; stopping this node (exit 1). \
-         Restart every node once the table is as wanted: each reads the count again at its \
-         start. Change the count only with every node stopped",
+         Restart every node once the table holds the partitions wanted, numbered from 0 \
+         with none missing: each reads the count again at its start. Change the count only \
+         with every node stopped",
         count.saturating_sub(1)
     ))
 }
@@ -1056,7 +1096,11 @@ mod tests {
             "{added}"
         );
         assert!(partitions_changed(4, &[0, 1, 2]).is_some());
-        assert!(partitions_changed(4, &[0, 1, 2, 5]).is_some());
+        let renumbered = partitions_changed(4, &[0, 1, 2, 5]).unwrap();
+        assert!(
+            renumbered.contains("numbered 0 to 5, lacking 3, 4"),
+            "{renumbered}"
+        );
         let emptied = partitions_changed(4, &[]).unwrap();
         assert!(emptied.contains("it now holds no rows"), "{emptied}");
     }

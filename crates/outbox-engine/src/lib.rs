@@ -889,7 +889,9 @@ impl Engine {
             tracing::warn!(
                 operation = what,
                 rows = missing,
-                "rows were no longer leased by this node (lease expired); they will be delivered again"
+                "rows were no longer this node's to settle (a lease or partition lost), or were \
+                 gone (deleted, or replaced under their ids: a TRUNCATE, a restarted sequence); \
+                 those still in the table are delivered again"
             );
         }
     }

@@ -1239,6 +1239,41 @@ async fn heartbeats_go_on_while_a_lock_on_the_outbox_holds_every_claim() {
     );
 }
 
+/// An unordered node and an ordered one starting together: each looked for the other before
+/// it registered, neither was there yet, and both relayed (most events twice, the unordered
+/// node stopping only at its next heartbeat). After registering, a node announces itself
+/// and looks again, and the one that finds the other is refused, leaving no row behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_peer_of_the_other_kind_registered_during_its_start_is_refused() {
+    let (store, url) = store(4).await;
+    let partitions = FaultyPartitions::new(store.clone());
+    *partitions
+        .ordered_peer_starts_after_the_first_look
+        .lock()
+        .unwrap() = Some(url.clone());
+    let started = outbox_cluster::Coordinator::start_claiming(
+        Arc::new(store.clone()),
+        outbox_cluster::Claims::Unordered(Arc::new(partitions)),
+        cluster_config("u1", Duration::from_millis(50), Duration::from_secs(1)),
+    )
+    .await;
+    let Err(err) = started else {
+        panic!("started beside the ordered node o1");
+    };
+    assert_eq!(err.kind(), outbox_core::StoreErrorKind::Config, "{err}");
+    assert!(
+        err.to_string().contains("beside ordered node(s) o1"),
+        "{err}"
+    );
+    let left = "SELECT count(*) FROM outbox_nodes WHERE id = 'u1'";
+    assert_eq!(
+        query_count(&crate::session(&url).await, left, &[])
+            .await
+            .unwrap(),
+        0
+    );
+}
+
 /// The real partitions table, with faults: the answer of one acquire that took
 /// partitions lost after it committed (`acquire_answer_lost`), and listings of the nodes
 /// sharing the partitions that fail (`peer_listings_to_fail` of them).
@@ -1247,6 +1282,9 @@ struct FaultyPartitions {
     acquire_answer_lost: std::sync::atomic::AtomicBool,
     peer_listings_to_fail: std::sync::atomic::AtomicUsize,
     peer_listings_failed: std::sync::atomic::AtomicUsize,
+    /// The database in which an ordered node `o1` registers right after the first look for
+    /// nodes claiming the other way has read its answer (two nodes starting together).
+    ordered_peer_starts_after_the_first_look: std::sync::Mutex<Option<String>>,
 }
 
 impl FaultyPartitions {
@@ -1256,6 +1294,7 @@ impl FaultyPartitions {
             acquire_answer_lost: false.into(),
             peer_listings_to_fail: 0.into(),
             peer_listings_failed: 0.into(),
+            ordered_peer_starts_after_the_first_look: Default::default(),
         }
     }
 }
@@ -1295,7 +1334,30 @@ impl outbox_core::store::PartitionRegistry for FaultyPartitions {
         unordered: bool,
         announce: bool,
     ) -> outbox_core::store::StoreFuture<Vec<String>> {
-        self.store.claim_mode_peers(node, unordered, announce)
+        let looked = self.store.claim_mode_peers(node, unordered, announce);
+        let racing = match announce {
+            false => self
+                .ordered_peer_starts_after_the_first_look
+                .lock()
+                .unwrap()
+                .take(),
+            true => None,
+        };
+        Box::pin(async move {
+            let peers = looked.await?;
+            if let Some(url) = racing {
+                crate::session(&url)
+                    .await
+                    .batch_execute(
+                        "INSERT INTO outbox_nodes (id, expiry, partitions_table)
+                         VALUES ('o1', (now() AT TIME ZONE 'UTC') + interval '1 hour',
+                                 '\"public\".\"outbox_partitions\"')",
+                    )
+                    .await
+                    .unwrap();
+            }
+            Ok(peers)
+        })
     }
     fn acquire(
         &self,
