@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::{join_all, BoxFuture};
 use futures::FutureExt;
@@ -27,6 +27,33 @@ use crate::template::Template;
 /// RabbitMQ's default `max_message_size` (128 MiB); a lower server limit is learned from
 /// the broker's refusal.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 128 * 1024 * 1024;
+
+/// How long a size limit learned from the broker's refusal stands before a message over it
+/// is tried against the broker again: the broker's `max_message_size` can be raised while
+/// the relay runs, and a limit kept for good dead-lettered, until a restart, messages the
+/// broker by then accepted.
+const LEARNED_LIMIT_KEPT: Duration = Duration::from_secs(300);
+
+/// The broker's message size limit as learned from its refusals (pure state).
+#[derive(Debug, Default)]
+struct LearnedLimit {
+    refused_over: Option<(usize, Instant)>,
+}
+
+impl LearnedLimit {
+    fn learned(&mut self, limit: usize, now: Instant) {
+        self.refused_over = Some((limit, now));
+    }
+
+    /// The limit messages are held to `now`: the learned one for [`LEARNED_LIMIT_KEPT`],
+    /// then RabbitMQ's default again.
+    fn current(&self, now: Instant) -> usize {
+        match self.refused_over {
+            Some((limit, at)) if now.saturating_duration_since(at) < LEARNED_LIMIT_KEPT => limit,
+            _ => DEFAULT_MAX_MESSAGE_BYTES,
+        }
+    }
+}
 
 /// Why one message of a batch failed on its channel.
 enum Failure {
@@ -85,7 +112,8 @@ struct Inner {
     exchange: Template,
     unroutable: Unroutable,
     timeout: Duration,
-    max_message_bytes: AtomicUsize,
+    /// The message size limit the broker refused a message for, and when.
+    learned_limit: std::sync::Mutex<LearnedLimit>,
     /// The connection's negotiated frame size: a message's properties (its headers among
     /// them) travel in one frame, which AMQP does not split.
     frame_max: AtomicUsize,
@@ -133,7 +161,7 @@ impl RabbitSink {
                 exchange,
                 unroutable: config.unroutable,
                 timeout: config.timeout.get(),
-                max_message_bytes: AtomicUsize::new(DEFAULT_MAX_MESSAGE_BYTES),
+                learned_limit: Default::default(),
                 frame_max: AtomicUsize::new(DEFAULT_FRAME_MAX),
                 session: Mutex::new(None),
                 publishing: tokio::sync::Mutex::new(()),
@@ -247,7 +275,10 @@ impl Inner {
                             .next()
                             .and_then(|m| m.parse::<usize>().ok())
                         {
-                            self.max_message_bytes.store(limit, Ordering::Relaxed);
+                            self.learned_limit
+                                .lock()
+                                .expect("learned limit lock")
+                                .learned(limit, Instant::now());
                             if size <= limit {
                                 return Failure::Collateral(PublishError::new(
                                     PublishErrorKind::Unavailable,
@@ -560,7 +591,8 @@ impl Sink for RabbitSink {
     }
 
     fn max_message_bytes(&self) -> Option<usize> {
-        Some(self.inner.max_message_bytes.load(Ordering::Relaxed))
+        let learned = self.inner.learned_limit.lock().expect("learned limit lock");
+        Some(learned.current(Instant::now()))
     }
 }
 
@@ -694,6 +726,22 @@ fn broker_name(exchange: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Unit test (pure state). A limit learned from a refusal was kept for good: with the
+    /// broker's `max_message_size` raised while the relay ran, every larger message was
+    /// dead-lettered without being sent, until a restart.
+    #[test]
+    fn a_learned_size_limit_stands_for_a_while_then_the_broker_is_asked_again() {
+        let start = Instant::now();
+        let mut limit = LearnedLimit::default();
+        assert_eq!(limit.current(start), DEFAULT_MAX_MESSAGE_BYTES);
+        limit.learned(1024 * 1024, start);
+        assert_eq!(limit.current(start + LEARNED_LIMIT_KEPT / 2), 1024 * 1024);
+        assert_eq!(
+            limit.current(start + LEARNED_LIMIT_KEPT),
+            DEFAULT_MAX_MESSAGE_BYTES
+        );
+    }
 
     /// The AMQP client took `[::1]` for no host and connected to localhost: such a URI is
     /// refused, naming why; a host name or an IPv4 address is taken.
