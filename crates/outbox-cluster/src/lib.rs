@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use outbox_core::health::Check;
 use outbox_core::migration::{CLUSTER_PROTOCOL, OLDEST_PEER_PROTOCOL};
 use outbox_core::store::{
-    Heartbeat, Heartbeated, Incarnation, NodeRegistry, PartitionRegistry, Registration,
+    ClaimMode, Heartbeat, Heartbeated, Incarnation, NodeRegistry, PartitionRegistry, Registration,
 };
 use outbox_core::{Health, NodeId, Ownership, StoreError, StoreErrorKind};
 use tokio::sync::watch;
@@ -84,32 +84,31 @@ impl Coordinator {
         Self::start_claiming(registry, claims, config).await
     }
 
-    /// [`Coordinator::start`] for a node that claims the outbox's rows as `claims` says.
-    /// Refused ([`StoreErrorKind::Config`]) where live nodes claim them the other way,
-    /// before the node registers: the mix of ordered and unordered nodes on one outbox
-    /// sends events twice.
+    /// [`Coordinator::start`] for a node that takes the outbox's events as `claims` says.
+    /// Refused ([`StoreErrorKind::Config`]) where live nodes take them another way: two ways
+    /// on one outbox send most events twice.
     pub async fn start_claiming(
         registry: Arc<dyn NodeRegistry>,
         claims: Claims,
         config: ClusterConfig,
     ) -> Result<Self, StoreError> {
         let modes = claims.modes();
-        if let Some((modes_registry, unordered)) = &modes {
-            wait_out_other_mode(&*registry, &**modes_registry, *unordered, &config).await?;
+        if let Some((modes_registry, mode)) = &modes {
+            wait_out_other_mode(&*registry, &**modes_registry, *mode, &config).await?;
         }
         let partitions = match claims {
             Claims::Partitions(partitions) => Some(partitions),
-            Claims::Unordered(_) | Claims::Elsewhere => None,
+            Claims::Unordered(_) | Claims::Capture(_) | Claims::Elsewhere => None,
         };
         let incarnation = register(&*registry, &config).await?;
-        if let Some((modes_registry, unordered)) = &modes {
-            let met = announce_then_look(&**modes_registry, *unordered, &config.node).await;
+        if let Some((modes_registry, mode)) = &modes {
+            let met = announce_then_look(&**modes_registry, *mode, &config.node).await;
             if !matches!(&met, Ok(peers) if peers.is_empty()) {
                 let _ = registry.deregister(config.node.clone(), incarnation).await;
                 let peers = met?;
                 return Err(StoreError::new(
                     StoreErrorKind::Config,
-                    claim_modes_meet(*unordered, &peers, "refused (the nodes started together)"),
+                    claim_modes_meet(*mode, &peers, "refused (the nodes started together)"),
                 ));
             }
         }
@@ -320,13 +319,11 @@ async fn register(
 /// registration ([`wait_out_other_mode`]) saw neither, and both relayed, most events twice.
 async fn announce_then_look(
     modes: &dyn PartitionRegistry,
-    unordered: bool,
+    mode: ClaimMode,
     node: &NodeId,
-) -> Result<Vec<String>, StoreError> {
-    modes
-        .claim_mode_peers(node.clone(), unordered, true)
-        .await?;
-    modes.claim_mode_peers(node.clone(), unordered, false).await
+) -> Result<Vec<(String, ClaimMode)>, StoreError> {
+    modes.claim_mode_peers(node.clone(), mode, true).await?;
+    modes.claim_mode_peers(node.clone(), mode, false).await
 }
 
 /// Returns once no live node claims the outbox's rows the other way from this one
@@ -337,13 +334,13 @@ async fn announce_then_look(
 async fn wait_out_other_mode(
     registry: &dyn NodeRegistry,
     modes: &dyn PartitionRegistry,
-    unordered: bool,
+    mode: ClaimMode,
     config: &ClusterConfig,
 ) -> Result<(), StoreError> {
     let mut first_seen: Option<BTreeMap<String, std::time::SystemTime>> = None;
     loop {
         let peers = modes
-            .claim_mode_peers(config.node.clone(), unordered, false)
+            .claim_mode_peers(config.node.clone(), mode, false)
             .await?;
         if peers.is_empty() {
             return Ok(());
@@ -352,7 +349,7 @@ async fn wait_out_other_mode(
             .live_nodes()
             .await?
             .into_iter()
-            .filter(|n| peers.contains(&n.id))
+            .filter(|n| peers.iter().any(|(id, _)| *id == n.id))
             .map(|n| (n.id, n.expiry))
             .collect();
         match &first_seen {
@@ -360,7 +357,7 @@ async fn wait_out_other_mode(
                 tracing::warn!(
                     "{}",
                     claim_modes_meet(
-                        unordered,
+                        mode,
                         &peers,
                         "waiting for their heartbeats to move (refused) or their rows to \
                          expire (they died)"
@@ -369,15 +366,19 @@ async fn wait_out_other_mode(
                 first_seen = Some(expiries);
             }
             Some(seen) => {
-                let alive: Vec<String> = expiries
+                let alive: Vec<(String, ClaimMode)> = peers
                     .iter()
-                    .filter(|(id, expiry)| seen.get(*id).is_some_and(|was| was != *expiry))
-                    .map(|(id, _)| id.clone())
+                    .filter(|(id, _)| {
+                        let now = expiries.get(id);
+                        seen.get(id)
+                            .is_some_and(|was| now.is_some_and(|now| now != was))
+                    })
+                    .cloned()
                     .collect();
                 if !alive.is_empty() {
                     return Err(StoreError::new(
                         StoreErrorKind::Config,
-                        claim_modes_meet(unordered, &alive, "refused"),
+                        claim_modes_meet(mode, &alive, "refused"),
                     ));
                 }
                 // Nodes that appeared since are watched from now.
@@ -404,7 +405,7 @@ async fn run(
         watch::Sender<Option<Incarnation>>,
         Arc<watch::Sender<Option<Halt>>>,
     ),
-    modes: Option<(Arc<dyn PartitionRegistry>, bool)>,
+    modes: Option<(Arc<dyn PartitionRegistry>, ClaimMode)>,
 ) {
     let first = *written.borrow();
     let mut keeper = Keeper {
@@ -444,11 +445,11 @@ struct Keeper {
     wrote: Wrote,
     /// Why the node must stop, once it must.
     halt: Arc<watch::Sender<Option<Halt>>>,
-    /// Where ordered and unordered nodes of the outbox could meet: the registry, and whether
-    /// this node is the unordered kind.
-    modes: Option<(Arc<dyn PartitionRegistry>, bool)>,
-    /// The nodes claiming the other way that this ordered node last said it relays beside.
-    meeting: Vec<String>,
+    /// Where nodes taking the outbox's events different ways could meet: the registry, and
+    /// this node's way.
+    modes: Option<(Arc<dyn PartitionRegistry>, ClaimMode)>,
+    /// The nodes taking the events another way that this node last said it relays beside.
+    meeting: Vec<(String, ClaimMode)>,
     /// When the partitions table was last counted for the gauges, and the count running.
     counted: Option<Instant>,
     counting: Option<JoinHandle<()>>,
@@ -545,32 +546,32 @@ impl Keeper {
         self.written.send_replace(None);
     }
 
-    /// Announces how this node claims the outbox's rows and looks for nodes that claim them
-    /// the other way: an unordered node that finds ordered ones stops (they go on); an
-    /// ordered one says so, once per change, while the unordered ones stop. A failed look
-    /// waits for the next round.
+    /// Announces how this node takes the outbox's events and looks for nodes that take them
+    /// another way: a node that finds one whose way ranks above its own (ordered, then
+    /// capture, then unordered) stops; one that finds only lower ones says so, once per
+    /// change, while they stop. A failed look waits for the next round.
     async fn check_claim_modes(&mut self) {
-        let Some((registry, unordered)) = &self.modes else {
+        let Some((registry, mode)) = &self.modes else {
             return;
         };
         let node = self.config.node.clone();
-        let peers = match registry.claim_mode_peers(node, *unordered, true).await {
+        let peers = match registry.claim_mode_peers(node, *mode, true).await {
             Ok(peers) => peers,
             Err(e) => {
-                tracing::debug!(error = %e.report(), "could not list the nodes claiming the other way");
+                tracing::debug!(error = %e.report(), "could not list the nodes taking the events another way");
                 return;
             }
         };
-        match (*unordered, peers.is_empty()) {
-            (true, false) => halt_once(
+        if peers.iter().any(|(_, theirs)| theirs > mode) {
+            halt_once(
                 &self.halt,
-                Halt::configuration(claim_modes_meet(true, &peers, "stopping (exit 2)")),
-            ),
-            (false, false) if peers != self.meeting => tracing::error!(
+                Halt::configuration(claim_modes_meet(*mode, &peers, "stopping (exit 2)")),
+            );
+        } else if !peers.is_empty() && peers != self.meeting {
+            tracing::error!(
                 "{}",
-                claim_modes_meet(false, &peers, "going on: they stop at their next heartbeat")
-            ),
-            _ => {}
+                claim_modes_meet(*mode, &peers, "going on: they stop at their next heartbeat")
+            );
         }
         self.meeting = peers;
     }
@@ -870,42 +871,47 @@ fn halt_once(sender: &watch::Sender<Option<Halt>>, halt: Halt) {
     }
 }
 
-/// How a node claims the outbox's rows, where ordered and unordered nodes could meet (the
-/// native PostgreSQL outbox, whose ordered claims lease no row).
+/// How a node takes the outbox's events, where nodes taking them different ways could meet
+/// (the native PostgreSQL outbox: ordered claims lease no row, and WAL capture reads every
+/// row).
 pub enum Claims {
     /// Ordered: the partitions it leases.
     Partitions(Partitions),
     /// Unordered (`--ordering none`): every ready row, under row leases.
     Unordered(Arc<dyn PartitionRegistry>),
-    /// Where the modes cannot meet (WAL or binlog capture, SQLite, mapped tables): nothing to
-    /// check.
+    /// WAL capture: every row, from the WAL.
+    Capture(Arc<dyn PartitionRegistry>),
+    /// Where the ways cannot meet (binlog capture, SQLite, mapped tables, whose one active
+    /// relay holds the table's lock): nothing to check.
     Elsewhere,
 }
 
 impl Claims {
-    /// The registry to check the other mode's nodes in, and whether this node is unordered.
-    fn modes(&self) -> Option<(Arc<dyn PartitionRegistry>, bool)> {
+    /// The registry to look for the other ways' nodes in, and this node's way.
+    fn modes(&self) -> Option<(Arc<dyn PartitionRegistry>, ClaimMode)> {
         match self {
-            Claims::Partitions(p) => Some((p.registry.clone(), false)),
-            Claims::Unordered(registry) => Some((registry.clone(), true)),
+            Claims::Partitions(p) => Some((p.registry.clone(), ClaimMode::Ordered)),
+            Claims::Unordered(registry) => Some((registry.clone(), ClaimMode::Unordered)),
+            Claims::Capture(registry) => Some((registry.clone(), ClaimMode::Capture)),
             Claims::Elsewhere => None,
         }
     }
 }
 
-/// What is wrong when this node (`unordered` or not) finds `peers` claiming the outbox's
-/// rows the other way, and what it does (`outcome`).
-fn claim_modes_meet(unordered: bool, peers: &[String], outcome: &str) -> String {
-    let (mine, theirs) = match unordered {
-        true => ("unordered (--ordering none)", "ordered"),
-        false => ("ordered", "unordered (--ordering none)"),
-    };
+/// What is wrong when this node, taking the outbox's events as `mine`, finds `peers`
+/// taking them another way, and what it does (`outcome`).
+fn claim_modes_meet(mine: ClaimMode, peers: &[(String, ClaimMode)], outcome: &str) -> String {
+    let theirs: Vec<String> = peers
+        .iter()
+        .map(|(id, mode)| format!("{id}, {}", mode.described()))
+        .collect();
     format!(
-        "this {mine} node would relay the outbox beside {theirs} node(s) {}: an ordered node's \
-         claims lease no row, so the unordered nodes claim the rows it holds and most events \
-         go out twice; {outcome}. Run every node of one outbox with the same --ordering: stop \
-         the nodes of one kind before starting the other",
-        peers.join(", ")
+        "this {} node would relay the outbox beside node(s) that take its events another way \
+         ({}): each way takes rows the other takes (an ordered claim leases no row, and WAL \
+         capture reads every row), so most events would go out twice; {outcome}. Run every \
+         node of one outbox the same way: stop the nodes of one way before starting the other",
+        mine.described(),
+        theirs.join("; ")
     )
 }
 

@@ -534,6 +534,48 @@ const NO_ANSWER_HINT: &str = "check that the database is running and reachable; 
     the statement ran that long: see the database's running statements (pg_stat_activity, \
     SHOW PROCESSLIST) for it and for what it waits on (the relay retries meanwhile)";
 
+/// How a node takes an outbox's events. Every node of one outbox takes them the same way
+/// (see [`PartitionRegistry::claim_mode_peers`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ClaimMode {
+    /// `--ordering none`: any ready row, under row leases.
+    Unordered,
+    /// `--capture wal`: every row read from the WAL.
+    Capture,
+    /// Per-key order through partition leases: claims that lease no row.
+    Ordered,
+}
+
+impl ClaimMode {
+    /// The name the nodes table keeps.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClaimMode::Unordered => "unordered",
+            ClaimMode::Capture => "capture",
+            ClaimMode::Ordered => "ordered",
+        }
+    }
+
+    /// A mode as the nodes table keeps it; `None` (no mode written: a node from before
+    /// modes, which says only whose partitions it takes) is ordered.
+    pub fn from_stored(stored: Option<&str>) -> Self {
+        match stored {
+            Some("unordered") => ClaimMode::Unordered,
+            Some("capture") => ClaimMode::Capture,
+            _ => ClaimMode::Ordered,
+        }
+    }
+
+    /// As the relay's messages name it, with the setting that chooses it.
+    pub fn described(self) -> &'static str {
+        match self {
+            ClaimMode::Unordered => "unordered (--ordering none)",
+            ClaimMode::Capture => "WAL capture (--capture wal)",
+            ClaimMode::Ordered => "ordered (polling, --ordering key)",
+        }
+    }
+}
+
 /// Partition leases with fencing epochs, in the same database as the outbox.
 ///
 /// A lease is taken only when the partition is free, its lease expired, or the taker holds
@@ -561,18 +603,19 @@ pub trait PartitionRegistry: Send + Sync + 'static {
     /// The outbox's partition count (fixed when it was migrated).
     fn partition_count(&self) -> StoreFuture<u32>;
 
-    /// The other live nodes that claim this outbox's rows the other way from `node`:
-    /// ordered ones (that announced this outbox's partitions) for an `unordered` node, and
-    /// unordered ones (`--ordering none` on this outbox) for an ordered one. The two must
-    /// not meet: an ordered claim leases no row, so an unordered node claims the rows an
-    /// ordered one holds, and the events go out twice. With `announce`, first writes into
-    /// `node`'s row how it claims them; the list is read as it was before that write.
+    /// The other live nodes that take this outbox's events another way than `mode`, with
+    /// theirs. The ways must not meet: an ordered claim leases no row, so an unordered node
+    /// claims the rows an ordered one holds; a capture node reads every row from the WAL
+    /// while a polling node claims them; either way most events go out twice. With
+    /// `announce`, first writes `mode` into `node`'s row; the list is read as it was
+    /// before that write. An ordered node from before the modes were written (it says only
+    /// whose partitions it takes) is listed as ordered.
     fn claim_mode_peers(
         &self,
         node: NodeId,
-        unordered: bool,
+        mode: ClaimMode,
         announce: bool,
-    ) -> StoreFuture<Vec<String>>;
+    ) -> StoreFuture<Vec<(String, ClaimMode)>>;
 
     /// Takes the free or expired ones of `partitions`, and those `node` holds already;
     /// returns those taken with their new epochs.

@@ -279,11 +279,13 @@ async fn start(
         _ => None,
     };
     let told = Some((&health, Check::Heartbeat));
-    let claims = || match (&partitions, store.partition_registry()) {
+    // The native PostgreSQL outbox, where nodes can take its events three ways: each node
+    // is checked against the others' ways.
+    let claims = || match (&partitions, &store) {
         (Some(partitions), _) => Claims::Partitions(partitions.clone()),
-        // An unordered node where ordered nodes could run too: checked against them.
-        (None, Some(registry)) => Claims::Unordered(registry),
-        (None, None) => Claims::Elsewhere,
+        (None, AnyStore::Postgres(pg)) => Claims::Unordered(Arc::new(pg.clone())),
+        (None, AnyStore::PostgresWal(pg, _)) => Claims::Capture(Arc::new(pg.clone())),
+        (None, _) => Claims::Elsewhere,
     };
     let coordinator =
         retry_transient_telling("registering in the nodes table", !drain, told, || {

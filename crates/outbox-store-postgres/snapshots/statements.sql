@@ -1,27 +1,23 @@
 -- public.outbox: ack_delete (row lease)
-DELETE FROM "public"."outbox" o USING unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
-                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+DELETE FROM "public"."outbox" o WHERE o.sequence_id = ANY($2) AND (o.event_id IN (SELECT unnest($3::uuid[])) OR o.sequence_id = ANY($4::int8[])) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- public.outbox: ack_delete (partition fence)
-DELETE FROM "public"."outbox" o USING unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
-                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $6 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $6) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+DELETE FROM "public"."outbox" o WHERE o.sequence_id = ANY($2) AND (o.event_id IN (SELECT unnest($3::uuid[])) OR o.sequence_id = ANY($4::int8[])) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $7 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $7) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
 
 -- public.outbox: ack_retain (row lease)
 UPDATE "public"."outbox" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                       FROM unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
-                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+                      WHERE o.sequence_id = ANY($2) AND (o.event_id IN (SELECT unnest($3::uuid[])) OR o.sequence_id = ANY($4::int8[])) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- public.outbox: ack_retain (partition fence)
 UPDATE "public"."outbox" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                       FROM unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
-                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $6 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $6) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
-                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                      WHERE o.sequence_id = ANY($2) AND (o.event_id IN (SELECT unnest($3::uuid[])) OR o.sequence_id = ANY($4::int8[])) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $7 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $7) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
 
 -- public.outbox: retry_later (row lease)
@@ -332,8 +328,8 @@ WITH pushed AS (
                        AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
                  RETURNING expiry
                  ), inserted AS (
-                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table, unordered_outbox)
-                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL
+                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table, relays_outbox, claims)
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL
                      WHERE NOT EXISTS (SELECT 1 FROM pushed)
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
@@ -387,16 +383,17 @@ SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_datab
 -- public.outbox: claim_mode_peers
 WITH announced AS (
                     UPDATE "public"."outbox_nodes"
-                       SET partitions_table = CASE WHEN $2 THEN '' ELSE '"public"."outbox_partitions"' END,
-                           unordered_outbox = CASE WHEN $2 THEN '"public"."outbox"' END
+                       SET partitions_table = CASE WHEN $2 = 'ordered' THEN '"public"."outbox_partitions"' ELSE '' END, relays_outbox = '"public"."outbox"', claims = $2
                      WHERE id = $1 AND $3
-                       AND (partitions_table IS DISTINCT FROM (CASE WHEN $2 THEN '' ELSE '"public"."outbox_partitions"' END)
-                            OR unordered_outbox IS DISTINCT FROM (CASE WHEN $2 THEN '"public"."outbox"' END))
+                       AND (partitions_table IS DISTINCT FROM CASE WHEN $2 = 'ordered' THEN '"public"."outbox_partitions"' ELSE '' END
+                            OR relays_outbox IS DISTINCT FROM '"public"."outbox"'
+                            OR claims IS DISTINCT FROM $2)
                  RETURNING id
                  )
-                 SELECT id FROM "public"."outbox_nodes"
+                 SELECT id, claims FROM "public"."outbox_nodes"
                   WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
-                    AND CASE WHEN $2 THEN partitions_table = '"public"."outbox_partitions"' ELSE unordered_outbox = '"public"."outbox"' END
+                    AND (relays_outbox = '"public"."outbox"' AND claims <> $2
+                         OR claims IS NULL AND $2 <> 'ordered' AND partitions_table = '"public"."outbox_partitions"')
                   ORDER BY id
 
 -- public.outbox: acquire
@@ -424,9 +421,9 @@ SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int
 
 -- public.outbox: register
 WITH taken AS (
-                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table, unordered_outbox)
-                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL)
-                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table, unordered_outbox = NULL
+                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table, relays_outbox, claims)
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL)
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table, relays_outbox = NULL, claims = NULL
                      WHERE "public"."outbox_nodes".expiry < (now() AT TIME ZONE 'UTC')
                  RETURNING expiry
                  )
@@ -679,9 +676,9 @@ INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUE
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
--- outbox schema step 7: the nodes table's unordered_outbox column (the outbox an --ordering none node relays: refused beside ordered nodes of the same outbox, whose claims lease no row it could see) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+-- outbox schema step 7: the nodes table's relays_outbox and claims columns (the outbox each node relays and how it takes its events: ordered, unordered or WAL capture; nodes of one outbox that take them two ways are refused) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
 SET LOCAL lock_timeout = '5s';
-ALTER TABLE "public"."outbox_nodes" ADD COLUMN IF NOT EXISTS unordered_outbox text;
+ALTER TABLE "public"."outbox_nodes" ADD COLUMN IF NOT EXISTS relays_outbox text, ADD COLUMN IF NOT EXISTS claims text;
 INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 7, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
@@ -780,29 +777,25 @@ END
 $$;
 
 -- app.events: ack_delete (row lease)
-DELETE FROM "app"."events" o USING unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
-                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+DELETE FROM "app"."events" o WHERE o.sequence_id = ANY($2) AND (o.event_id IN (SELECT unnest($3::uuid[])) OR o.sequence_id = ANY($4::int8[])) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- app.events: ack_delete (partition fence)
-DELETE FROM "app"."events" o USING unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
-                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $6 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $6) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+DELETE FROM "app"."events" o WHERE o.sequence_id = ANY($2) AND (o.event_id IN (SELECT unnest($3::uuid[])) OR o.sequence_id = ANY($4::int8[])) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $7 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $7) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
 
 -- app.events: ack_retain (row lease)
 UPDATE "app"."events" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                       FROM unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
-                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
+                      WHERE o.sequence_id = ANY($2) AND (o.event_id IN (SELECT unnest($3::uuid[])) OR o.sequence_id = ANY($4::int8[])) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- app.events: ack_retain (partition fence)
 UPDATE "app"."events" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                       FROM unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
-                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id AND (u.event_id IS NULL OR o.event_id = u.event_id) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $6 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $6) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
-                         JOIN unnest($4::int4[], $5::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                      WHERE o.sequence_id = ANY($2) AND (o.event_id IN (SELECT unnest($3::uuid[])) OR o.sequence_id = ANY($4::int8[])) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $7 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $7) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
 
 -- app.events: retry_later (row lease)
@@ -1113,8 +1106,8 @@ WITH pushed AS (
                        AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
                  RETURNING expiry
                  ), inserted AS (
-                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table, unordered_outbox)
-                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL
+                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table, relays_outbox, claims)
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL
                      WHERE NOT EXISTS (SELECT 1 FROM pushed)
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
@@ -1168,16 +1161,17 @@ SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_datab
 -- app.events: claim_mode_peers
 WITH announced AS (
                     UPDATE "app"."relay_nodes"
-                       SET partitions_table = CASE WHEN $2 THEN '' ELSE '"app"."events_partitions"' END,
-                           unordered_outbox = CASE WHEN $2 THEN '"app"."events"' END
+                       SET partitions_table = CASE WHEN $2 = 'ordered' THEN '"app"."events_partitions"' ELSE '' END, relays_outbox = '"app"."events"', claims = $2
                      WHERE id = $1 AND $3
-                       AND (partitions_table IS DISTINCT FROM (CASE WHEN $2 THEN '' ELSE '"app"."events_partitions"' END)
-                            OR unordered_outbox IS DISTINCT FROM (CASE WHEN $2 THEN '"app"."events"' END))
+                       AND (partitions_table IS DISTINCT FROM CASE WHEN $2 = 'ordered' THEN '"app"."events_partitions"' ELSE '' END
+                            OR relays_outbox IS DISTINCT FROM '"app"."events"'
+                            OR claims IS DISTINCT FROM $2)
                  RETURNING id
                  )
-                 SELECT id FROM "app"."relay_nodes"
+                 SELECT id, claims FROM "app"."relay_nodes"
                   WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
-                    AND CASE WHEN $2 THEN partitions_table = '"app"."events_partitions"' ELSE unordered_outbox = '"app"."events"' END
+                    AND (relays_outbox = '"app"."events"' AND claims <> $2
+                         OR claims IS NULL AND $2 <> 'ordered' AND partitions_table = '"app"."events_partitions"')
                   ORDER BY id
 
 -- app.events: acquire
@@ -1205,9 +1199,9 @@ SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int
 
 -- app.events: register
 WITH taken AS (
-                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table, unordered_outbox)
-                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL)
-                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table, unordered_outbox = NULL
+                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table, relays_outbox, claims)
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL)
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table, relays_outbox = NULL, claims = NULL
                      WHERE "app"."relay_nodes".expiry < (now() AT TIME ZONE 'UTC')
                  RETURNING expiry
                  )
@@ -1460,9 +1454,9 @@ INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES (
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
--- outbox schema step 7: the nodes table's unordered_outbox column (the outbox an --ordering none node relays: refused beside ordered nodes of the same outbox, whose claims lease no row it could see) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+-- outbox schema step 7: the nodes table's relays_outbox and claims columns (the outbox each node relays and how it takes its events: ordered, unordered or WAL capture; nodes of one outbox that take them two ways are refused) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
 SET LOCAL lock_timeout = '5s';
-ALTER TABLE "app"."relay_nodes" ADD COLUMN IF NOT EXISTS unordered_outbox text;
+ALTER TABLE "app"."relay_nodes" ADD COLUMN IF NOT EXISTS relays_outbox text, ADD COLUMN IF NOT EXISTS claims text;
 INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 7, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();

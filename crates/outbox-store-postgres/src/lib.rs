@@ -718,21 +718,45 @@ fn failed_columns<'a>(
     (ids, attempts, errors)
 }
 
+/// How a settle statement checks that its rows are the ones handed out (`handed.rs`).
+#[derive(Clone, Copy)]
+enum Checked {
+    /// Paired with the ids: one array of event ids, NULL where unknown (retries and dead
+    /// letters, joined to their arrays row by row).
+    Paired,
+    /// As a set (acks, `schema::HANDED_OUT`): the known event ids, and the ids settled by
+    /// id alone.
+    AsASet,
+}
+
 /// Runs a settle statement of `node`'s rows `ids`: `params` are the statement's own, but
-/// for the rows' event ids (`handed.rs`), which follow them, and the partition fence's
-/// parameters when there is one.
+/// for the rows' event ids, checked as `checked` says, which follow them, and the
+/// partition fence's parameters when there is one.
 async fn settle(
     inner: &Inner,
     context: &'static str,
-    sql: &schema::Guarded,
+    (sql, checked): (&schema::Guarded, Checked),
     (node, fence): (&str, Option<&Fence>),
     ids: &[SequenceId],
     params: &[&(dyn ToSql + Sync)],
 ) -> StoreResult<u64> {
     let event_ids = inner.handed.event_ids(node, ids);
+    let known: Vec<uuid::Uuid> = event_ids.iter().flatten().copied().collect();
+    let by_id_alone: Vec<SequenceId> = ids
+        .iter()
+        .zip(&event_ids)
+        .filter(|(_, event_id)| event_id.is_none())
+        .map(|(id, _)| *id)
+        .collect();
     let count = fence.map(|fence| fence.count as i32);
     let mut all: Vec<&(dyn ToSql + Sync)> = params.to_vec();
-    all.push(&event_ids);
+    match checked {
+        Checked::Paired => all.push(&event_ids),
+        Checked::AsASet => {
+            all.push(&known);
+            all.push(&by_id_alone);
+        }
+    }
     let statement = match (fence, &count) {
         (Some(fence), Some(count)) => {
             all.push(&fence.partitions);
@@ -835,7 +859,7 @@ impl OutboxStore for PgStore {
             let n = settle(
                 &inner,
                 "ack",
-                sql,
+                (sql, Checked::AsASet),
                 (&node.0, fence.as_deref()),
                 &ids,
                 &[&node.0, &ids],
@@ -860,7 +884,7 @@ impl OutboxStore for PgStore {
             let n = settle(
                 &inner,
                 "retry",
-                &inner.sql.retry_later,
+                (&inner.sql.retry_later, Checked::Paired),
                 (&node.0, fence.as_deref()),
                 &ids,
                 &[&node.0, &ids, &attempts, &errors, &delays],
@@ -884,7 +908,7 @@ impl OutboxStore for PgStore {
             let n = settle(
                 &inner,
                 "dead-letter",
-                &inner.sql.dead_letter,
+                (&inner.sql.dead_letter, Checked::Paired),
                 (&node.0, fence.as_deref()),
                 &ids,
                 &[&node.0, &ids, &attempts, &errors],

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use outbox_core::store::{
-    Heartbeat, Heartbeated, Incarnation, NodeRecord, NodeRegistry, PartitionRecord,
+    ClaimMode, Heartbeat, Heartbeated, Incarnation, NodeRecord, NodeRegistry, PartitionRecord,
     PartitionRegistry, Registration, StoreFuture,
 };
 use outbox_core::{NodeId, StoreError, StoreErrorKind};
@@ -140,19 +140,25 @@ impl PartitionRegistry for PgStore {
     fn claim_mode_peers(
         &self,
         node: NodeId,
-        unordered: bool,
+        mode: ClaimMode,
         announce: bool,
-    ) -> StoreFuture<Vec<String>> {
+    ) -> StoreFuture<Vec<(String, ClaimMode)>> {
         let inner = self.inner.clone();
         async move {
             let rows = Self::coordinate(
                 &inner,
-                "nodes claiming the other way",
+                "nodes taking the events another way",
                 &inner.sql.claim_mode_peers,
-                &[&node.0, &unordered, &announce],
+                &[&node.0, &mode.as_str(), &announce],
             )
             .await?;
-            Ok(rows.iter().map(|r| r.get(0)).collect())
+            Ok(rows
+                .iter()
+                .map(|r| {
+                    let claims: Option<&str> = r.get(1);
+                    (r.get(0), ClaimMode::from_stored(claims))
+                })
+                .collect())
         }
         .boxed()
     }

@@ -358,10 +358,10 @@ ALTER TABLE {nodes} ADD COLUMN IF NOT EXISTS {column};"
             ),
             nodes_column(
                 7,
-                "the nodes table's unordered_outbox column (the outbox an --ordering none node \
-                 relays: refused beside ordered nodes of the same outbox, whose claims lease no \
-                 row it could see)",
-                "unordered_outbox text",
+                "the nodes table's relays_outbox and claims columns (the outbox each node \
+                 relays and how it takes its events: ordered, unordered or WAL capture; nodes \
+                 of one outbox that take them two ways are refused)",
+                "relays_outbox text, ADD COLUMN IF NOT EXISTS claims text",
             ),
         ];
         Steps::new("outbox", steps)
@@ -382,7 +382,8 @@ CREATE TABLE IF NOT EXISTS {} (
     expiry           timestamp without time zone NOT NULL,
     protocol         integer,
     partitions_table text,
-    unordered_outbox text
+    relays_outbox    text,
+    claims           text
 );",
             outbox_layout::sql::pg_create_schema(&self.nodes.schema.quoted()),
             self.nodes.quoted()
@@ -592,6 +593,16 @@ const ROW_LEASE: &str = " AND o.locked_by = $1 AND o.locked_until IS NOT NULL";
 /// claimed, or NULL for a row settled by id alone: see `handed.rs`). A row that took a
 /// handed-out row's sequence id (the sequence restarted) is not it.
 const SAME_ROW: &str = " AND (u.event_id IS NULL OR o.event_id = u.event_id)";
+
+/// An acked row (`o`) is one handed out: its event id is one of those handed out with the
+/// acked ids ($3), or it is settled by id alone ($4: see `handed.rs`). A row that took a
+/// handed-out row's sequence id (the sequence restarted) is not. The event ids are read
+/// into a hash table once (a hashed subplan: the OR keeps it from becoming a join). A join
+/// to the pairs, as the other settles have, was planned as a nested loop that read all
+/// of them again for every row: 300-500 ms for an ack of 1,000 rows, a seventh of the
+/// drain rate; a check of each row against the whole array cost 2 ms.
+const HANDED_OUT: &str =
+    " AND (o.event_id IN (SELECT unnest($3::uuid[])) OR o.sequence_id = ANY($4::int8[]))";
 
 /// The ordering key of the claimed or settled row (`o`) and of an earlier row (`p`).
 const KEY_O: &str = "coalesce(o.partition_key, o.destination)";
@@ -970,27 +981,22 @@ impl Native {
         )
     }
 
-    /// $1 node, $2 ids, $3 their event ids. The rows are found by the primary key
-    /// (`= ANY`), then matched to their event ids by a join on the id: a check of each row
-    /// against the whole array of event ids cost the database 2 ms per 1,000 rows.
+    /// $1 node, $2 ids, $3 the event ids handed out with them, $4 the ids settled by id
+    /// alone (`HANDED_OUT`).
     fn ack_delete(&self) -> Guarded {
         let t = &self.t;
-        self.settle(4, |guard| {
-            format!(
-                "DELETE FROM {t} o USING unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
-                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id{SAME_ROW}{guard}"
-            )
+        self.settle(5, |guard| {
+            format!("DELETE FROM {t} o WHERE o.sequence_id = ANY($2){HANDED_OUT}{guard}")
         })
     }
 
-    /// $1 node, $2 ids, $3 their event ids (`--retain-delivered`).
+    /// $1 node, $2 ids, $3 and $4 as for [`Native::ack_delete`] (`--retain-delivered`).
     fn ack_retain(&self) -> Guarded {
         let t = &self.t;
-        self.settle(4, |guard| {
+        self.settle(5, |guard| {
             format!(
                 "UPDATE {t} o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                       FROM unnest($2::int8[], $3::uuid[]) AS u(sequence_id, event_id)
-                      WHERE o.sequence_id = ANY($2) AND o.sequence_id = u.sequence_id{SAME_ROW}{guard}"
+                      WHERE o.sequence_id = ANY($2){HANDED_OUT}{guard}"
             )
         })
     }
@@ -1173,9 +1179,9 @@ impl Native {
     fn takes_no_partitions(&self) -> (&'static str, &'static str, &'static str) {
         match self.native_nodes {
             true => (
-                ", partitions_table, unordered_outbox",
-                ", '', NULL",
-                ", partitions_table = EXCLUDED.partitions_table, unordered_outbox = NULL",
+                ", partitions_table, relays_outbox, claims",
+                ", '', NULL, NULL",
+                ", partitions_table = EXCLUDED.partitions_table, relays_outbox = NULL, claims = NULL",
             ),
             false => ("", "", ""),
         }
@@ -1186,26 +1192,29 @@ impl Native {
         format!("'{}'", self.parts.replace('\'', "''"))
     }
 
-    /// $1 node, $2 whether it relays unordered, $3 whether to announce it: with $3, writes
-    /// into the node's row how it claims this outbox's rows (ordered: whose partitions it
-    /// takes; unordered: which outbox it relays), then lists the other live nodes that claim
-    /// them the other way. The list is read in the statement's snapshot, before the write.
+    /// $1 node, $2 its mode (`ClaimMode::as_str`), $3 whether to announce it: with $3, writes
+    /// into the node's row the outbox it relays, how, and (ordered) whose partitions it
+    /// takes; then lists the other live nodes of this outbox that take its events another
+    /// way, with theirs (NULL: an ordered node from before the column, known by the
+    /// partitions it takes). The list is read in the statement's snapshot, before the write.
     fn claim_mode_peers(&self) -> String {
         let (nodes, parts) = (&self.nodes, self.parts_literal());
         let outbox = format!("'{}'", self.t.replace('\'', "''"));
+        let takes = format!("CASE WHEN $2 = 'ordered' THEN {parts} ELSE '' END");
         format!(
             "WITH announced AS (
                     UPDATE {nodes}
-                       SET partitions_table = CASE WHEN $2 THEN '' ELSE {parts} END,
-                           unordered_outbox = CASE WHEN $2 THEN {outbox} END
+                       SET partitions_table = {takes}, relays_outbox = {outbox}, claims = $2
                      WHERE id = $1 AND $3
-                       AND (partitions_table IS DISTINCT FROM (CASE WHEN $2 THEN '' ELSE {parts} END)
-                            OR unordered_outbox IS DISTINCT FROM (CASE WHEN $2 THEN {outbox} END))
+                       AND (partitions_table IS DISTINCT FROM {takes}
+                            OR relays_outbox IS DISTINCT FROM {outbox}
+                            OR claims IS DISTINCT FROM $2)
                  RETURNING id
                  )
-                 SELECT id FROM {nodes}
+                 SELECT id, claims FROM {nodes}
                   WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
-                    AND CASE WHEN $2 THEN partitions_table = {parts} ELSE unordered_outbox = {outbox} END
+                    AND (relays_outbox = {outbox} AND claims <> $2
+                         OR claims IS NULL AND $2 <> 'ordered' AND partitions_table = {parts})
                   ORDER BY id"
         )
     }

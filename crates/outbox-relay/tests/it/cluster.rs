@@ -1229,14 +1229,14 @@ async fn ordered_and_unordered_nodes_of_one_outbox_are_never_left_to_run_togethe
     let mut unordered = start("u1", "none");
     refused(
         &mut unordered,
-        "this unordered (--ordering none) node would relay the outbox beside ordered node(s) n1",
+        "this unordered (--ordering none) node would relay the outbox beside node(s) that take \
+         its events another way (n1, ordered (polling, --ordering key))",
     )
     .await;
     assert!(ordered.terminate().await.success(), "{}", ordered.logs());
 
     let mut unordered = start("u1", "none");
-    let announced =
-        "SELECT count(*) FROM outbox_nodes WHERE id = 'u1' AND unordered_outbox IS NOT NULL";
+    let announced = "SELECT count(*) FROM outbox_nodes WHERE id = 'u1' AND claims = 'unordered'";
     eventually(
         "u1 to say it relays unordered",
         Duration::from_secs(30),
@@ -1246,7 +1246,8 @@ async fn ordered_and_unordered_nodes_of_one_outbox_are_never_left_to_run_togethe
     let mut ordered = start("n2", "key");
     refused(
         &mut ordered,
-        "this ordered node would relay the outbox beside unordered (--ordering none) node(s) u1",
+        "this ordered (polling, --ordering key) node would relay the outbox beside node(s) that \
+         take its events another way (u1, unordered (--ordering none))",
     )
     .await;
     assert!(unordered.is_running(), "{}", unordered.logs());
@@ -1259,7 +1260,7 @@ async fn ordered_and_unordered_nodes_of_one_outbox_are_never_left_to_run_togethe
     )
     .await
     .unwrap();
-    refused(&mut unordered, "beside ordered node(s) n3").await;
+    refused(&mut unordered, "(n3, ordered (polling, --ordering key))").await;
     assert!(unordered.logs().contains("stopping (exit 2)"));
 
     // A node of the other kind that died keeps its row until its expiry: waited out.
@@ -1267,8 +1268,7 @@ async fn ordered_and_unordered_nodes_of_one_outbox_are_never_left_to_run_togethe
         .await
         .unwrap();
     let mut unordered = start("u2", "none");
-    let announced =
-        "SELECT count(*) FROM outbox_nodes WHERE id = 'u2' AND unordered_outbox IS NOT NULL";
+    let announced = "SELECT count(*) FROM outbox_nodes WHERE id = 'u2' AND claims = 'unordered'";
     eventually(
         "u2 to say it relays unordered",
         Duration::from_secs(30),

@@ -547,6 +547,63 @@ async fn a_drain_beside_a_streaming_relay_says_it_waits_as_its_standby() {
     assert!(active.terminate().await.success(), "{}", active.logs());
 }
 
+/// A polling relay and a WAL capture relay of one outbox: the capture read every row and the
+/// polling relay claimed the same rows, so every event went out twice, and neither said a
+/// word. Each is now refused (exit 2) beside live relays of the outbox that take its events
+/// the other way, naming them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polling_relay_and_a_capture_relay_of_one_outbox_are_never_left_to_run_together() {
+    let w = WalDb::new().await;
+    let dir = w.dir.path().to_path_buf();
+    let polling = |name: &str| {
+        let sink = format!("file:{}", dir.join(format!("{name}.jsonl")).display());
+        let args = [
+            "run",
+            "--database-url",
+            &w.url,
+            "--sink",
+            &sink,
+            "--node-id",
+            name,
+            "--http-addr",
+            "",
+            "--log-format",
+            "json",
+        ];
+        RelayProcess::spawn(&dir, name, &args, &[])
+    };
+    let refused = |relay: &mut RelayProcess, said: &'static str| {
+        let logs = relay.logs();
+        assert!(logs.contains(said), "{logs}");
+    };
+    let mut capture = w.spawn("capture", &dir.join("capture.jsonl"), &[]);
+    capture
+        .wait_for_log("the capture streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    let mut poller = polling("poller");
+    let status = poller.wait_exit_within(Duration::from_secs(30)).await;
+    assert_eq!(status.code(), Some(2), "{}", poller.logs());
+    refused(&mut poller, "(capture, WAL capture (--capture wal))");
+    assert!(capture.terminate().await.success(), "{}", capture.logs());
+
+    let mut poller = polling("poller-2");
+    poller
+        .wait_for_log(
+            "the polling relay registered",
+            Duration::from_secs(60),
+            "registered in the nodes table",
+        )
+        .await;
+    let mut capture = w.spawn("capture-2", &dir.join("capture.jsonl"), &[]);
+    let status = capture.wait_exit_within(Duration::from_secs(60)).await;
+    assert_eq!(status.code(), Some(2), "{}", capture.logs());
+    refused(
+        &mut capture,
+        "(poller-2, ordered (polling, --ordering key))",
+    );
+    assert!(poller.terminate().await.success(), "{}", poller.logs());
+}
+
 #[tokio::test]
 async fn both_forms_are_drained_in_commit_order_without_rolled_back_events() {
     let w = WalDb::new().await;

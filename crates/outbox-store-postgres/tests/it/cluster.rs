@@ -1262,7 +1262,8 @@ async fn a_node_whose_peer_of_the_other_kind_registered_during_its_start_is_refu
     };
     assert_eq!(err.kind(), outbox_core::StoreErrorKind::Config, "{err}");
     assert!(
-        err.to_string().contains("beside ordered node(s) o1"),
+        err.to_string()
+            .contains("another way (o1, ordered (polling, --ordering key))"),
         "{err}"
     );
     let left = "SELECT count(*) FROM outbox_nodes WHERE id = 'u1'";
@@ -1331,10 +1332,10 @@ impl outbox_core::store::PartitionRegistry for FaultyPartitions {
     fn claim_mode_peers(
         &self,
         node: NodeId,
-        unordered: bool,
+        mode: outbox_core::store::ClaimMode,
         announce: bool,
-    ) -> outbox_core::store::StoreFuture<Vec<String>> {
-        let looked = self.store.claim_mode_peers(node, unordered, announce);
+    ) -> outbox_core::store::StoreFuture<Vec<(String, outbox_core::store::ClaimMode)>> {
+        let looked = self.store.claim_mode_peers(node, mode, announce);
         let racing = match announce {
             false => self
                 .ordered_peer_starts_after_the_first_look
