@@ -341,6 +341,17 @@ async fn refusals_are_classified_by_the_servers_error_code() {
     assert_eq!(err.kind(), PublishErrorKind::Unauthorized, "{err}");
 }
 
+/// A redis-server of the test's own, and a connection to it for the test's own commands.
+async fn server_and_admin() -> (ServerProcess, redis::aio::MultiplexedConnection) {
+    let server = redis_server(&[]);
+    let admin = redis::Client::open(url(&server))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    (server, admin)
+}
+
 /// A user allowed to append to streams and run scripts but not to write the event's
 /// de-duplication key (`+@read +@stream +@scripting`, a natural least-privilege set, has no
 /// SET): the script's XADD went through, its SET failed, the attempt counted as failed, and
@@ -350,12 +361,7 @@ async fn refusals_are_classified_by_the_servers_error_code() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_that_may_append_but_not_record_the_event_appends_nothing() {
     use outbox_core::PublishErrorKind;
-    let server = redis_server(&[]);
-    let mut admin = redis::Client::open(url(&server))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let (server, mut admin) = server_and_admin().await;
     let _: () = redis::cmd("ACL")
         .arg(&[
             "SETUSER",
@@ -415,12 +421,7 @@ async fn a_user_that_may_append_but_not_record_the_event_appends_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_demoted_to_a_replica_is_said_so_and_connected_to_again() {
     use outbox_core::PublishErrorKind;
-    let server = redis_server(&[]);
-    let mut admin = redis::Client::open(url(&server))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let (server, mut admin) = server_and_admin().await;
     let sink = outbox_publishers::build_sink("redis", &SinkConfig::new(url(&server)))
         .await
         .unwrap();
