@@ -413,6 +413,27 @@ async fn a_user_that_may_append_but_not_record_the_event_appends_nothing() {
     assert_eq!(len, 1);
 }
 
+/// A user allowed everything the sink sends but PING: the health check's PING was refused,
+/// and `/readyz` failed while every event went out. The server answered and the user is
+/// logged in: healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_allowed_no_ping_is_healthy_and_publishes() {
+    let (server, mut admin) = server_and_admin().await;
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "no-ping", "on", ">pw", "~*", "+@all", "-ping"])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let config = SinkConfig::new(format!("redis://no-ping:pw@127.0.0.1:{}", server.port));
+    let sink = outbox_publishers::build_sink("redis", &config)
+        .await
+        .unwrap();
+    let healthy = sink.health().await;
+    assert!(healthy.is_ok(), "{healthy:?}");
+    let sent = send_one(&config, "orders").await;
+    assert!(sent.is_ok(), "{sent:?}");
+}
+
 /// A server demoted to a replica (`REPLICAOF`, as a failover does to the old primary)
 /// answers every write READONLY on the connection the sink kept: each event failed as a
 /// broker failure until dead-lettered, and the sink never connected again (a name that
