@@ -394,8 +394,12 @@ impl Inner {
             Confirmation::Nack(_) => Err(PublishError::new(
                 PublishErrorKind::BrokerFailure,
                 format!(
-                    "{}: the broker refused to store the message (nack)",
-                    self.shown
+                    "{}: the broker refused to store the message (nack) sent to exchange \
+                     {exchange:?} with routing key {:?}: a queue it routes to is full and \
+                     rejects publishes (x-overflow = reject-publish, at x-max-length or \
+                     x-max-length-bytes), or the broker could not store it; make room in \
+                     that queue or raise its limit",
+                    self.shown, routed.target
                 ),
             )),
             Confirmation::NotRequested => Err(PublishError::new(

@@ -380,6 +380,52 @@ async fn exchange_to_the_queue(h: &RabbitHarness) -> String {
     exchange
 }
 
+/// A queue full with `x-overflow = reject-publish` makes the broker nack the message: the
+/// error said only "the broker refused to store the message (nack)", naming neither the
+/// routing key nor the likely cause. It names both, and the fix; the message is retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_that_rejects_publishes_is_named_with_the_routing_key() {
+    let h = new_harness().await;
+    let queue = format!("full-{}", uuid::Uuid::new_v4().simple());
+    let connection = Connection::connect(&h.url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(0));
+    arguments.insert(
+        "x-overflow".into(),
+        lapin::types::AMQPValue::LongString("reject-publish".into()),
+    );
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::default(),
+            arguments,
+        )
+        .await
+        .unwrap();
+    let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
+    let outcome = h
+        .sink
+        .send(vec![Routed {
+            cloudevents: None,
+            event,
+            target: queue.clone(),
+        }])
+        .await
+        .remove(0);
+    let err = outcome.expect_err("the full queue rejects the publish");
+    assert!(
+        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
+        "{err}"
+    );
+    let said = err.to_string();
+    assert!(said.contains(&format!("routing key {queue:?}")), "{said}");
+    assert!(said.contains("x-overflow = reject-publish"), "{said}");
+    connection.close(200, "done".into()).await.unwrap();
+}
+
 /// One event of a batch names an exchange that does not exist: the broker closes the
 /// channel, and every message waiting on it failed with the same "not found", each counted
 /// as a failed attempt of its own (dead-lettered in the end under a steady flow to the
