@@ -15,6 +15,16 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// `N` free ports, all different: each listener is held until all are chosen. Chosen one at
+/// a time with [`free_port`], two came out the same now and then (the kernel hands a port
+/// just let go of out again), and the second server to bind it did not start.
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<TcpListener> = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().unwrap().port())
+}
+
 /// A server process started from a command line, restartable on the same port and data dir.
 pub struct ServerProcess {
     program: String,

@@ -11,7 +11,7 @@ use lapin::{Connection, ConnectionProperties};
 use outbox_core::{Disposition, PublishErrorKind};
 use outbox_publishers::{Routed, Sink, SinkConfig};
 use outbox_testkit::publisher::{event, BrokerHarness, Received};
-use outbox_testkit::server::{free_port, ScriptedServer};
+use outbox_testkit::server::{free_ports, ScriptedServer};
 
 struct RabbitHarness {
     url: String,
@@ -64,7 +64,7 @@ async fn new_harness() -> RabbitHarness {
 async fn private_harness() -> RabbitHarness {
     // Free ports for Erlang's distribution and port mapper too: at a fixed distance from
     // the broker's, one was taken now and then, and the broker never started.
-    let (dist, epmd) = (free_port().to_string(), free_port().to_string());
+    let [dist, epmd] = free_ports().map(|port| port.to_string());
     let private = ScriptedServer::start_with(
         "rabbitmq",
         "OUTBOX_TEST_RABBIT_PORT",

@@ -630,16 +630,12 @@ print("ok")
 #[test]
 fn the_quickstart_shows_events_flowing_and_stops_what_it_started() {
     let state = tempfile::tempdir().unwrap();
-    let port = outbox_testkit::server::free_port();
     // Its own servers on free ports: on its default ports, another test's server given one of
     // them as a free port answered the quickstart's readiness check, then went away.
     // NATS's monitoring port too: the one after its client port was once another test's relay,
-    // whose /healthz passed for a NATS that never started.
-    let (pg_port, nats_port, nats_monitor_port) = (
-        outbox_testkit::server::free_port(),
-        outbox_testkit::server::free_port(),
-        outbox_testkit::server::free_port(),
-    );
+    // whose /healthz passed for a NATS that never started. All four different: PostgreSQL
+    // and NATS were once given the same one.
+    let [port, pg_port, nats_port, nats_monitor_port] = outbox_testkit::server::free_ports();
     let out = Command::new("scripts/quickstart.sh")
         .args(["--events", "6"])
         .env("OUTBOX_QUICKSTART_BIN", BIN)
