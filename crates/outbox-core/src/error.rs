@@ -65,6 +65,23 @@ impl PublishErrorKind {
         }
     }
 
+    /// Whether the failure is the destination's condition rather than the event's: a
+    /// broker away or refusing everyone, out of time, overloaded, a full disk. Such a
+    /// failure, while the destination confirms nothing else, spends none of the event's
+    /// attempts (`PublishStreaks::attempt` in the engine): an outage longer than the
+    /// retries dead-lettered every event that would have gone out once it ended.
+    /// `BrokerFailure` (an HTTP 500 among them) and a missing target or route may be the
+    /// event's own, and always count.
+    pub fn is_the_destinations_condition(self) -> bool {
+        use PublishErrorKind::*;
+        match self {
+            Unavailable | Timeout | Throttled | Unauthorized | Io => true,
+            BrokerFailure | MissingTarget | NoRoute | TooLarge | Rejected | Encoding | NotSent => {
+                false
+            }
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         use PublishErrorKind::*;
         match self {

@@ -121,6 +121,30 @@ impl RetryPolicy {
     }
 }
 
+impl RetryPolicy {
+    /// The wait after a failure that spent no attempt: it came while its destination has
+    /// confirmed nothing for `outage` (the engine's `PublishStreaks::attempt`), so it is
+    /// retried whatever its attempts. It waits about as long as the outage has lasted
+    /// (half of it fixed, half random), at least the backoff of its `attempts` and at most
+    /// `max_delay`: a long outage is tried less and less often, as counted attempts were,
+    /// not every `base_delay` for as long as it lasts. A broker's Retry-After lengthens it.
+    pub fn wait_in_outage(
+        &self,
+        attempts: u32,
+        outage: Duration,
+        error: &PublishError,
+    ) -> Duration {
+        let full = outage.clamp(self.base_delay, self.max_delay);
+        let half = full / 2;
+        let wait = (half + half.mul_f64(fastrand::f64())).max(self.backoff(attempts.max(1)));
+        let asked = match error.disposition() {
+            Disposition::Retry { after: Some(after) } => after,
+            _ => Duration::ZERO,
+        };
+        wait.max(asked).min(self.max_delay)
+    }
+}
+
 /// The wait between tries of an operation the relay repeats until it succeeds (a store
 /// write, a claim, a reconnect, a start-up check): `first`, doubled after each failure up to
 /// `cap`, and back to `first` after a success. No jitter: one process retries one thing, so
@@ -190,6 +214,30 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A wait in an outage grows with the outage, as counted attempts' backoff did, never
+    /// below the event's own backoff nor above `max_delay`, and a Retry-After lengthens it.
+    #[test]
+    fn a_wait_in_an_outage_grows_with_it_within_the_bounds() {
+        let p = policy();
+        let down = PublishError::new(PublishErrorKind::Unavailable, "down");
+        for _ in 0..50 {
+            let early = p.wait_in_outage(1, Duration::from_millis(30), &down);
+            assert!(early >= Duration::from_millis(50) && early <= Duration::from_millis(100));
+            let later = p.wait_in_outage(1, Duration::from_secs(4), &down);
+            assert!(later >= Duration::from_secs(2) && later <= Duration::from_secs(4));
+            let long = p.wait_in_outage(1, Duration::from_secs(3600), &down);
+            assert!(long >= Duration::from_secs(5) && long <= p.max_delay);
+            // Its own backoff is the floor: 4 failures counted wait at least 400 ms.
+            let own = p.wait_in_outage(4, Duration::from_millis(30), &down);
+            assert!(own >= Duration::from_millis(400), "{own:?}");
+        }
+        let asked = down.with_retry_after(Duration::from_secs(8));
+        assert_eq!(
+            p.wait_in_outage(1, Duration::from_millis(30), &asked),
+            Duration::from_secs(8)
+        );
     }
 
     #[test]

@@ -45,6 +45,7 @@ use tracing::Instrument;
 
 use crate::lanes::{Handout, LaneKey, Lanes, UndecodableHead};
 use crate::scheduler::{Claim, ClaimScheduler};
+use crate::streaks::Attempt;
 use outbox_core::metric_labels::DestinationLabels;
 
 /// How much of the shutdown timeout is kept for the clean-up after the wait for in-flight
@@ -689,6 +690,13 @@ impl Engine {
         let mut dead = Vec::new();
         let mut release = Vec::new();
         let mut first_failure: Option<(String, usize)> = None;
+        // Whether the destination is down, judged once for the batch (`streaks::attempt`).
+        let batch_confirmed = outcomes.iter().any(Result::is_ok);
+        let (judged_at, recent) = (
+            std::time::Instant::now(),
+            PUBLISH_GRACE + self.config.settings.retry.max_delay,
+        );
+        let mut outage: Option<Duration> = None;
         let mut first_dead: Option<(SequenceId, String, String, String)> = None;
         // A lane's run is consecutive in the batch. Its confirmed prefix is acked; its first
         // failure is retried or dead-lettered as a lane head; the rest of the run is not
@@ -725,21 +733,31 @@ impl Engine {
                         release.extend(self.lanes.give_back(&lane));
                         continue;
                     }
-                    let attempts = event.attempts.saturating_add(1);
                     let report = error.report();
                     self.summary.last_failure = Some(report.clone());
-                    let limit = event.max_attempts.unwrap_or_else(|| {
-                        self.config
-                            .settings
-                            .retry
-                            .max_attempts_for(&event.event_type)
-                    });
-                    match self
-                        .config
-                        .settings
-                        .retry
-                        .decide_with_limit(limit, attempts, &error)
-                    {
+                    let retry = &self.config.settings.retry;
+                    let spent = self.publish_streaks.attempt(
+                        group,
+                        batch_confirmed,
+                        error.kind(),
+                        judged_at,
+                        recent,
+                    );
+                    let (attempts, decision) = match spent {
+                        Attempt::InOutage { lasted } => {
+                            outage = Some(lasted);
+                            let wait = retry.wait_in_outage(event.attempts, lasted, &error);
+                            (event.attempts, RetryDecision::RetryAfter(wait))
+                        }
+                        Attempt::Counted => {
+                            let attempts = event.attempts.saturating_add(1);
+                            let limit = event
+                                .max_attempts
+                                .unwrap_or_else(|| retry.max_attempts_for(&event.event_type));
+                            (attempts, retry.decide_with_limit(limit, attempts, &error))
+                        }
+                    };
+                    match decision {
                         RetryDecision::RetryAfter(delay) => {
                             match &mut first_failure {
                                 Some((_, n)) => *n += 1,
@@ -818,8 +836,19 @@ impl Engine {
         if !self.publish_streaks.is_empty() {
             self.report_publish_streaks();
         }
-        if let Some((error, count)) = first_failure {
-            tracing::warn!(events = count, %error, sink = %self.publisher.describe(), "publish failed; will retry with backoff");
+        match (first_failure, outage) {
+            (Some((error, count)), Some(lasted)) => tracing::warn!(
+                events = count,
+                %error,
+                sink = %self.publisher.describe(),
+                down_for = ?lasted,
+                "publish failed while the sink has confirmed nothing since an earlier failure; \
+                 retrying, spending none of the events' attempts until it confirms one"
+            ),
+            (Some((error, count)), None) => {
+                tracing::warn!(events = count, %error, sink = %self.publisher.describe(), "publish failed; will retry with backoff")
+            }
+            (None, _) => {}
         }
         if let Some((sequence_id, event_id, destination, error)) = first_dead {
             tracing::error!(

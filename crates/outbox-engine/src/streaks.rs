@@ -12,6 +12,18 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use outbox_core::PublishErrorKind;
+
+/// What a failed publish spends of its event's attempts (`retry.max_attempts`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Attempt {
+    /// One attempt.
+    Counted,
+    /// None: its destination has confirmed nothing for `lasted`, and the failure is the
+    /// destination's condition. The event is retried, waiting as the outage has lasted.
+    InOutage { lasted: Duration },
+}
+
 /// One group's failing streak.
 #[derive(Clone, Debug, PartialEq)]
 struct Streak {
@@ -40,6 +52,38 @@ impl PublishStreaks {
             });
             streak.last = now;
             streak.error = error;
+        }
+    }
+
+    /// What a failure of `kind` in a batch of `group` that came back at `now` spends, asked
+    /// before [`batch`](Self::batch) records that batch.
+    ///
+    /// Nothing, when the failure is the destination's condition
+    /// ([`PublishErrorKind::is_the_destinations_condition`]), no event of the batch was
+    /// confirmed, and an earlier batch began a streak that a failure continued within
+    /// `recent`: the destination is down, and counting there dead-lettered, after the
+    /// retries' hour, every event that would have gone out once it came back. The batch
+    /// that begins a streak counts. A poison event beside working ones counts each time,
+    /// since their confirmations end the streak between its tries; alone in its group, it
+    /// waits, its streak failing `/readyz`, until another event of the group is confirmed.
+    pub fn attempt(
+        &self,
+        group: u64,
+        batch_confirmed: bool,
+        kind: PublishErrorKind,
+        now: Instant,
+        recent: Duration,
+    ) -> Attempt {
+        if batch_confirmed || !kind.is_the_destinations_condition() {
+            return Attempt::Counted;
+        }
+        match self.groups.get(&group) {
+            Some(streak) if now.saturating_duration_since(streak.last) <= recent => {
+                Attempt::InOutage {
+                    lasted: now.saturating_duration_since(streak.since),
+                }
+            }
+            _ => Attempt::Counted,
         }
     }
 
@@ -117,6 +161,135 @@ mod tests {
         assert_eq!(
             streaks.oldest(now, RECENT),
             Some((t0 + Duration::from_secs(1), "b".to_string()))
+        );
+    }
+
+    const DOWN: PublishErrorKind = PublishErrorKind::Unavailable;
+
+    /// A broker down: the batch that finds it so spends an attempt of each of its events;
+    /// every batch that comes back after it, in flight then or retried since, spends none,
+    /// for as long as the outage lasts; the first confirmation ends it, and failures count
+    /// again.
+    #[test]
+    fn an_outage_spends_no_attempts_after_the_batch_that_finds_it() {
+        let t0 = Instant::now();
+        let mut streaks = PublishStreaks::default();
+        assert_eq!(
+            streaks.attempt(1, false, DOWN, t0, RECENT),
+            Attempt::Counted
+        );
+        streaks.batch(1, false, Some("refused".into()), t0);
+        // Two hours of retries, one every 30 s: none spends an attempt.
+        for s in (30..7200).step_by(30) {
+            let now = t0 + Duration::from_secs(s);
+            assert_eq!(
+                streaks.attempt(1, false, DOWN, now, RECENT),
+                Attempt::InOutage {
+                    lasted: Duration::from_secs(s)
+                }
+            );
+            streaks.batch(1, false, Some("refused".into()), now);
+        }
+        let back = t0 + Duration::from_secs(7200);
+        streaks.batch(1, true, None, back);
+        assert_eq!(
+            streaks.attempt(1, false, DOWN, back + Duration::from_secs(1), RECENT),
+            Attempt::Counted
+        );
+    }
+
+    /// Two batches in flight when the broker goes: the second back finds the first's
+    /// streak and spends nothing; one with a confirmed event among its failures counts
+    /// them, whatever the streak.
+    #[test]
+    fn batches_in_flight_when_the_destination_goes_down_race_to_begin_the_outage() {
+        let t0 = Instant::now();
+        let mut streaks = PublishStreaks::default();
+        assert_eq!(
+            streaks.attempt(1, false, DOWN, t0, RECENT),
+            Attempt::Counted
+        );
+        streaks.batch(1, false, Some("timeout".into()), t0);
+        let second = t0 + Duration::from_millis(5);
+        assert!(matches!(
+            streaks.attempt(1, false, DOWN, second, RECENT),
+            Attempt::InOutage { .. }
+        ));
+        assert_eq!(
+            streaks.attempt(1, true, DOWN, second, RECENT),
+            Attempt::Counted
+        );
+    }
+
+    /// A poison event beside working ones: their confirmations end the streak its own
+    /// failure began, so each of its tries counts, and it is dead-lettered as before.
+    #[test]
+    fn a_poison_event_beside_confirmed_ones_spends_its_attempts() {
+        let t0 = Instant::now();
+        let mut streaks = PublishStreaks::default();
+        for attempt in 0..20u64 {
+            let tried = t0 + Duration::from_secs(attempt * 10);
+            assert_eq!(
+                streaks.attempt(1, false, PublishErrorKind::Timeout, tried, RECENT),
+                Attempt::Counted,
+                "try {attempt}"
+            );
+            streaks.batch(1, false, Some("timeout".into()), tried);
+            streaks.batch(1, true, None, tried + Duration::from_secs(1));
+        }
+    }
+
+    /// A failure that may be the event's own (an HTTP 500, a missing route) counts even in
+    /// an outage; and one group's outage spares none of another group's failures.
+    #[test]
+    fn only_the_destinations_condition_in_its_own_group_is_spared() {
+        let t0 = Instant::now();
+        let mut streaks = PublishStreaks::default();
+        streaks.batch(1, false, Some("refused".into()), t0);
+        let now = t0 + Duration::from_secs(5);
+        for kind in [
+            PublishErrorKind::BrokerFailure,
+            PublishErrorKind::NoRoute,
+            PublishErrorKind::MissingTarget,
+        ] {
+            assert_eq!(
+                streaks.attempt(1, false, kind, now, RECENT),
+                Attempt::Counted,
+                "{kind:?}"
+            );
+        }
+        for kind in [
+            PublishErrorKind::Unavailable,
+            PublishErrorKind::Timeout,
+            PublishErrorKind::Throttled,
+            PublishErrorKind::Unauthorized,
+            PublishErrorKind::Io,
+        ] {
+            assert!(
+                matches!(
+                    streaks.attempt(1, false, kind, now, RECENT),
+                    Attempt::InOutage { .. }
+                ),
+                "{kind:?}"
+            );
+        }
+        assert_eq!(
+            streaks.attempt(2, false, DOWN, now, RECENT),
+            Attempt::Counted
+        );
+    }
+
+    /// A streak no failure continued within `recent` says nothing of now: the next failure
+    /// counts (and begins a streak again).
+    #[test]
+    fn a_stale_streak_spares_nothing() {
+        let t0 = Instant::now();
+        let mut streaks = PublishStreaks::default();
+        streaks.batch(1, false, Some("refused".into()), t0);
+        let later = t0 + RECENT + Duration::from_secs(1);
+        assert_eq!(
+            streaks.attempt(1, false, DOWN, later, RECENT),
+            Attempt::Counted
         );
     }
 

@@ -459,3 +459,106 @@ fn a_message_rabbitmq_returns_is_not_logged_with_its_body_or_headers() {
         assert!(!log.contains(&bytes(secret)), "{secret} as bytes in {log}");
     }
 }
+
+/// A broker away for longer than the retries last: the events wait, spending none of their
+/// attempts while it confirms nothing, and all go out once it is back. Every failure counted
+/// before, so an outage longer than the retries (about an hour at the defaults; here two
+/// attempts 20-100 ms apart) dead-lettered every event that would have gone out after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_longer_than_the_retries_dead_letters_nothing() {
+    outbox_testkit::install_crypto();
+    let (_nats, deliveries, proxy, broker_url) = crate::support::nats_behind_a_proxy().await;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("outbox-relay.toml"),
+        format!(
+            r#"
+database_url = "sqlite:o.db"
+http_addr = "127.0.0.1:0"
+log_format = "json"
+publish_timeout = "1s"
+[retry]
+base_delay = "20ms"
+max_delay = "100ms"
+max_attempts = 2
+[sinks.nats]
+uri = "{broker_url}"
+[[routes]]
+destinations = "*"
+sink = "nats"
+target = "orders"
+"#
+        ),
+    )
+    .unwrap();
+    let send = |key: &str| {
+        let out = relay(d, &["send", "--destination", "orders", "--key", key, "{}"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    send("k0");
+    let mut relay_process = RelayProcess::spawn(d, "relay", &["run"], &[]);
+    let addr = crate::support::http_addr(&relay_process).await;
+    let delivered = |n: usize| {
+        let (deliveries, relay_process) = (&deliveries, &relay_process);
+        outbox_testkit::eventually_explained(
+            "the events delivered",
+            Duration::from_secs(60),
+            move || relay_process.logs(),
+            move || {
+                let done = deliveries.len() >= n;
+                async move { done.then_some(()) }
+            },
+        )
+    };
+    delivered(1).await;
+
+    let handle = proxy.handle();
+    handle.cut();
+    for key in ["k1", "k2", "k3", "k4"] {
+        send(key);
+    }
+    // Ten retries an event, five times its attempts: the outage has outlasted them.
+    let retried = "outbox_events_retried_total";
+    outbox_testkit::eventually_explained(
+        "the events retried past their attempts",
+        Duration::from_secs(60),
+        || relay_process.logs(),
+        || {
+            let addr = addr.clone();
+            async move {
+                let metrics = get(&addr, "/metrics").await?.1;
+                let n = crate::support::metric_value(&metrics, retried)?;
+                (n >= 40.0).then_some(())
+            }
+        },
+    )
+    .await;
+    handle.heal();
+    delivered(5).await;
+    let metrics = get(&addr, "/metrics").await.unwrap().1;
+    assert!(
+        !metrics.contains("outbox_events_dead_lettered_total{"),
+        "{metrics}"
+    );
+    assert!(
+        relay_process
+            .logs()
+            .contains("spending none of the events' attempts"),
+        "{}",
+        relay_process.logs()
+    );
+    let status = relay_process.terminate().await;
+    assert!(status.success(), "{status:?}");
+    let dead = relay(d, &["dead", "list", "--json"]);
+    assert!(dead.status.success());
+    assert!(
+        dead.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&dead.stdout)
+    );
+}
