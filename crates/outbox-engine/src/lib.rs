@@ -738,23 +738,22 @@ impl Engine {
                     let retry = &self.config.settings.retry;
                     let spent = self.publish_streaks.attempt(
                         group,
-                        batch_confirmed,
-                        error.kind(),
+                        (batch_confirmed, error.kind(), event.attempts),
                         judged_at,
                         recent,
                     );
-                    let (attempts, decision) = match spent {
+                    let attempts = spent.attempts_after(event.attempts);
+                    let decision = match spent {
                         Attempt::InOutage { lasted } => {
                             outage = Some(lasted);
-                            let wait = retry.wait_in_outage(event.attempts, lasted, &error);
-                            (event.attempts, RetryDecision::RetryAfter(wait))
+                            let wait = retry.wait_in_outage(attempts, lasted, &error);
+                            RetryDecision::RetryAfter(wait)
                         }
                         Attempt::Counted => {
-                            let attempts = event.attempts.saturating_add(1);
                             let limit = event
                                 .max_attempts
                                 .unwrap_or_else(|| retry.max_attempts_for(&event.event_type));
-                            (attempts, retry.decide_with_limit(limit, attempts, &error))
+                            retry.decide_with_limit(limit, attempts, &error)
                         }
                     };
                     match decision {

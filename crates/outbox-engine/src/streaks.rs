@@ -24,6 +24,16 @@ pub enum Attempt {
     InOutage { lasted: Duration },
 }
 
+impl Attempt {
+    /// The event's attempts after this failure, from `before`.
+    pub fn attempts_after(self, before: u32) -> u32 {
+        match self {
+            Attempt::Counted => before.saturating_add(1),
+            Attempt::InOutage { .. } => before,
+        }
+    }
+}
+
 /// One group's failing streak.
 #[derive(Clone, Debug, PartialEq)]
 struct Streak {
@@ -55,10 +65,14 @@ impl PublishStreaks {
         }
     }
 
-    /// What a failure of `kind` in a batch of `group` that came back at `now` spends, asked
-    /// before [`batch`](Self::batch) records that batch.
+    /// What a failure of `kind`, of an event that failed `before` times already, in a batch
+    /// of `group` that came back at `now` spends, asked before [`batch`](Self::batch)
+    /// records that batch.
     ///
-    /// Nothing, when the failure is the destination's condition
+    /// An event's first failure always counts: the stores know a row that failed, and hold
+    /// its key's later rows back behind it, by `attempts > 0` (left at 0, they went out
+    /// before it), and `max_attempts = 1` dead-letters at the first failure, as it says.
+    /// A later one spends nothing when the failure is the destination's condition
     /// ([`PublishErrorKind::is_the_destinations_condition`]), no event of the batch was
     /// confirmed, and an earlier batch began a streak that a failure continued within
     /// `recent`: the destination is down, and counting there dead-lettered, after the
@@ -69,12 +83,11 @@ impl PublishStreaks {
     pub fn attempt(
         &self,
         group: u64,
-        batch_confirmed: bool,
-        kind: PublishErrorKind,
+        (batch_confirmed, kind, before): (bool, PublishErrorKind, u32),
         now: Instant,
         recent: Duration,
     ) -> Attempt {
-        if batch_confirmed || !kind.is_the_destinations_condition() {
+        if before == 0 || batch_confirmed || !kind.is_the_destinations_condition() {
             return Attempt::Counted;
         }
         match self.groups.get(&group) {
@@ -175,7 +188,7 @@ mod tests {
         let t0 = Instant::now();
         let mut streaks = PublishStreaks::default();
         assert_eq!(
-            streaks.attempt(1, false, DOWN, t0, RECENT),
+            streaks.attempt(1, (false, DOWN, 1), t0, RECENT),
             Attempt::Counted
         );
         streaks.batch(1, false, Some("refused".into()), t0);
@@ -183,7 +196,7 @@ mod tests {
         for s in (30..7200).step_by(30) {
             let now = t0 + Duration::from_secs(s);
             assert_eq!(
-                streaks.attempt(1, false, DOWN, now, RECENT),
+                streaks.attempt(1, (false, DOWN, 1), now, RECENT),
                 Attempt::InOutage {
                     lasted: Duration::from_secs(s)
                 }
@@ -193,7 +206,7 @@ mod tests {
         let back = t0 + Duration::from_secs(7200);
         streaks.batch(1, true, None, back);
         assert_eq!(
-            streaks.attempt(1, false, DOWN, back + Duration::from_secs(1), RECENT),
+            streaks.attempt(1, (false, DOWN, 1), back + Duration::from_secs(1), RECENT),
             Attempt::Counted
         );
     }
@@ -206,17 +219,17 @@ mod tests {
         let t0 = Instant::now();
         let mut streaks = PublishStreaks::default();
         assert_eq!(
-            streaks.attempt(1, false, DOWN, t0, RECENT),
+            streaks.attempt(1, (false, DOWN, 1), t0, RECENT),
             Attempt::Counted
         );
         streaks.batch(1, false, Some("timeout".into()), t0);
         let second = t0 + Duration::from_millis(5);
         assert!(matches!(
-            streaks.attempt(1, false, DOWN, second, RECENT),
+            streaks.attempt(1, (false, DOWN, 1), second, RECENT),
             Attempt::InOutage { .. }
         ));
         assert_eq!(
-            streaks.attempt(1, true, DOWN, second, RECENT),
+            streaks.attempt(1, (true, DOWN, 1), second, RECENT),
             Attempt::Counted
         );
     }
@@ -230,7 +243,7 @@ mod tests {
         for attempt in 0..20u64 {
             let tried = t0 + Duration::from_secs(attempt * 10);
             assert_eq!(
-                streaks.attempt(1, false, PublishErrorKind::Timeout, tried, RECENT),
+                streaks.attempt(1, (false, PublishErrorKind::Timeout, 1), tried, RECENT),
                 Attempt::Counted,
                 "try {attempt}"
             );
@@ -253,7 +266,7 @@ mod tests {
             PublishErrorKind::MissingTarget,
         ] {
             assert_eq!(
-                streaks.attempt(1, false, kind, now, RECENT),
+                streaks.attempt(1, (false, kind, 1), now, RECENT),
                 Attempt::Counted,
                 "{kind:?}"
             );
@@ -267,16 +280,34 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    streaks.attempt(1, false, kind, now, RECENT),
+                    streaks.attempt(1, (false, kind, 1), now, RECENT),
                     Attempt::InOutage { .. }
                 ),
                 "{kind:?}"
             );
         }
         assert_eq!(
-            streaks.attempt(2, false, DOWN, now, RECENT),
+            streaks.attempt(2, (false, DOWN, 1), now, RECENT),
             Attempt::Counted
         );
+    }
+
+    /// An event's first failure counts even in an outage: a row at 0 attempts holds back
+    /// none of its key's later rows (a WAL capture's key went out of order under a broker
+    /// outage when it stayed at 0). Later ones keep the attempts as they were.
+    #[test]
+    fn a_first_failure_counts_even_in_an_outage() {
+        let t0 = Instant::now();
+        let mut streaks = PublishStreaks::default();
+        streaks.batch(1, false, Some("refused".into()), t0);
+        let now = t0 + Duration::from_secs(5);
+        let first = streaks.attempt(1, (false, DOWN, 0), now, RECENT);
+        assert_eq!(first, Attempt::Counted);
+        assert_eq!(first.attempts_after(0), 1);
+        let later = streaks.attempt(1, (false, DOWN, 1), now, RECENT);
+        assert!(matches!(later, Attempt::InOutage { .. }), "{later:?}");
+        assert_eq!(later.attempts_after(1), 1);
+        assert_eq!(later.attempts_after(7), 7);
     }
 
     /// A streak no failure continued within `recent` says nothing of now: the next failure
@@ -288,7 +319,7 @@ mod tests {
         streaks.batch(1, false, Some("refused".into()), t0);
         let later = t0 + RECENT + Duration::from_secs(1);
         assert_eq!(
-            streaks.attempt(1, false, DOWN, later, RECENT),
+            streaks.attempt(1, (false, DOWN, 1), later, RECENT),
             Attempt::Counted
         );
     }

@@ -133,6 +133,7 @@ macro_rules! store_conformance {
             engine_runs_of_a_key_keep_their_order_through_failures,
             engine_unordered_events_held_back_by_the_sink_go_out_again_unretried,
             engine_dead_letters_after_max_attempts_and_moves_on,
+            engine_an_outage_spends_no_attempts,
             engine_dead_letters_permanent_errors_and_undecodable_rows,
             engine_a_dead_letter_the_fence_refuses_keeps_its_key_in_order,
             engine_unordered_retries_and_dead_letters_go_out_again,
@@ -1401,7 +1402,9 @@ pub async fn engine_unordered_retries_and_dead_letters_go_out_again(h: &dyn Harn
     let seq = store.insert(events).await.unwrap();
     let publisher = RecordingPublisher::new();
     publisher.fail("flaky", 2, PublishErrorKind::Unavailable);
-    publisher.fail("doomed", 100, PublishErrorKind::Unavailable);
+    // The event's own failure: the sink's condition (unavailable) spends no attempt while
+    // the sink confirms nothing else, and doomed was left alone to retry.
+    publisher.fail("doomed", 100, PublishErrorKind::BrokerFailure);
     let mut config = engine_config(false);
     config.ordered = false;
     let summary = run_until_settled(h, &publisher, config, &seq).await;
@@ -1794,7 +1797,10 @@ pub async fn engine_dead_letters_after_max_attempts_and_moves_on(h: &dyn Harness
     )
     .await;
     let publisher = RecordingPublisher::new();
-    publisher.fail("doomed", 100, PublishErrorKind::Unavailable);
+    // The event's own failure (a destination's condition alone with nothing confirmed is
+    // an outage, which spends no attempts: `engine_an_outage_spends_no_attempts`); a
+    // timeout's first failure counts all the same, and fragile's limit is 1.
+    publisher.fail("doomed", 100, PublishErrorKind::BrokerFailure);
     publisher.fail("fragile", 100, PublishErrorKind::Timeout);
     let summary = run_until_settled(h, &publisher, engine_config(false), &seq).await;
     assert_eq!(summary.dead_lettered, 2);
@@ -1802,7 +1808,7 @@ pub async fn engine_dead_letters_after_max_attempts_and_moves_on(h: &dyn Harness
     let by_id: HashMap<_, _> = dead.iter().map(|d| (d.sequence_id, d)).collect();
     assert_eq!(by_id[&seq[0]].attempts, 3, "max_attempts");
     assert!(
-        by_id[&seq[0]].last_error.contains("unavailable"),
+        by_id[&seq[0]].last_error.contains("broker_failure"),
         "{}",
         by_id[&seq[0]].last_error
     );
@@ -1812,6 +1818,40 @@ pub async fn engine_dead_letters_after_max_attempts_and_moves_on(h: &dyn Harness
         vec![seq[1]],
         "the key carried on after its dead head"
     );
+}
+
+/// A sink down for longer than the retries last: its condition (unavailable), while it
+/// confirms nothing, spends no attempt after each event's first failure. Counted, each
+/// `down` event failing five times was dead-lettered at its third attempt. Nothing is
+/// dead-lettered, and each key goes out in order once the sink is back: a failed row keeps
+/// `attempts > 0`, which holds its key's later rows back in the store.
+pub async fn engine_an_outage_spends_no_attempts(h: &dyn Harness) {
+    let (_, seq) = store_with(
+        h,
+        &[
+            ("d", Some("a"), "down", 0),
+            ("d", Some("a"), "t", 1),
+            ("d", Some("b"), "down", 2),
+            ("d", Some("b"), "t", 3),
+        ],
+    )
+    .await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail("down", 10, PublishErrorKind::Unavailable);
+    let summary = run_until_settled(h, &publisher, engine_config(false), &seq).await;
+    assert_eq!(summary.dead_lettered, 0);
+    assert_eq!(summary.published, 4);
+    assert!(attempts_of(&publisher, seq[0]) + attempts_of(&publisher, seq[2]) > 10);
+    let delivered = delivered_ids(&publisher);
+    let of_key = |key: &[SequenceId]| -> Vec<SequenceId> {
+        delivered
+            .iter()
+            .copied()
+            .filter(|id| key.contains(id))
+            .collect()
+    };
+    assert_eq!(of_key(&seq[..2]), seq[..2], "key a in order");
+    assert_eq!(of_key(&seq[2..]), seq[2..], "key b in order");
 }
 
 /// A head's dead letter the fence refused (its partition's lease lost, perhaps retaken in

@@ -804,8 +804,8 @@ async fn traffic_makes_every_series(polling: &PollingRelay, wal: &WalRelay, binl
     let (polling_addr, polling) = (&polling.addr, &polling.process);
     let (wal_url, wal_events) = (&wal.url, &wal.events);
     let (wal_addr, wal) = (&wal.addr, &wal.process);
-    // Traffic, so that every series exists: deliveries, a failing sink (a retry, then a dead
-    // letter), and a failed database operation.
+    // Traffic, so that every series exists: deliveries, a failing sink (retries), a row
+    // that cannot be decoded (a dead letter), and a failed database operation.
     insert_events(url, 5).await;
     wait_for_lines(
         "the polling relay's deliveries",
@@ -822,8 +822,17 @@ async fn traffic_makes_every_series(polling: &PollingRelay, wal: &WalRelay, binl
     wait_for_count("the five acked", &db, outbox, 0, Duration::from_secs(30)).await;
     std::fs::remove_dir_all(out_dir).unwrap();
     insert_events(url, 1).await;
-    wait_for_metric(polling, polling_addr, "outbox_events_dead_lettered_total").await;
+    wait_for_metric(polling, polling_addr, "outbox_events_retried_total").await;
     std::fs::create_dir(out_dir).unwrap();
+    // Headers that are no JSON object: dead-lettered at once. (A sink that fails alike for
+    // every event, as the missing directory above, is an outage: it spends no attempts.)
+    db.batch_execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, headers)
+         VALUES ('orders', 'odd', 'created', '{}', '[1]')",
+    )
+    .await
+    .unwrap();
+    wait_for_metric(polling, polling_addr, "outbox_events_dead_lettered_total").await;
     cause_store_error(url, polling, polling_addr).await;
     insert_events(wal_url, 3).await;
     wait_for_lines(
