@@ -112,6 +112,10 @@ pub fn outcome(
         429 => PublishErrorKind::Throttled,
         413 => PublishErrorKind::TooLarge,
         401 | 403 => PublishErrorKind::Unauthorized,
+        // A gateway with no receiver behind it, or one that says it is away: the
+        // destination's condition, which spends no attempt while it lasts. A 500 may be
+        // this event's own doing, and counts.
+        502..=504 => PublishErrorKind::Unavailable,
         500..=599 => PublishErrorKind::BrokerFailure,
         _ => PublishErrorKind::Rejected,
     };
@@ -292,6 +296,15 @@ mod tests {
                 retry,
                 "{code}"
             );
+        }
+        for (code, kind) in [
+            (500, PublishErrorKind::BrokerFailure),
+            (502, PublishErrorKind::Unavailable),
+            (503, PublishErrorKind::Unavailable),
+            (504, PublishErrorKind::Unavailable),
+        ] {
+            let e = outcome(StatusCode::from_u16(code).unwrap(), None, None, "", "x").unwrap_err();
+            assert_eq!(e.kind(), kind, "{code}");
         }
         let e = outcome(StatusCode::TOO_MANY_REQUESTS, Some("7"), None, "", "x").unwrap_err();
         assert_eq!(

@@ -223,6 +223,21 @@ impl Inner {
         Ok(channel)
     }
 
+    /// What to say of the connection when the broker has blocked its publishers
+    /// (`connection.blocked`): it then reads no message, and every publish waits for a
+    /// confirmation that cannot come. A timeout alone named no cause.
+    async fn blocked(&self) -> Option<&'static str> {
+        let session = self.session.lock().await;
+        session
+            .as_ref()
+            .is_some_and(|(connection, _)| connection.status().blocked())
+            .then_some(
+                "the broker has blocked publishing (connection.blocked: a memory or disk \
+                 alarm); free memory or disk on the broker, or raise its \
+                 vm_memory_high_watermark or lower its disk_free_limit",
+            )
+    }
+
     /// A fixed exchange (no placeholder, not the default "") that does not exist fails every
     /// publish: looked for with a passive declare, on a channel of its own, since a failed
     /// declare closes its channel.
@@ -391,8 +406,10 @@ impl Inner {
         }
         match confirmation {
             Confirmation::Ack(_) => Ok(()),
+            // A full queue refuses every message routed to it until a consumer makes room:
+            // the destination's condition, which spends no attempt while it lasts.
             Confirmation::Nack(_) => Err(PublishError::new(
-                PublishErrorKind::BrokerFailure,
+                PublishErrorKind::Throttled,
                 format!(
                     "{}: the broker refused to store the message (nack) sent to exchange \
                      {exchange:?} with routing key {:?}: a queue it routes to is full and \
@@ -589,6 +606,12 @@ impl Sink for RabbitSink {
         let inner = self.inner.clone();
         async move {
             inner.channel(false).await?;
+            if let Some(blocked) = inner.blocked().await {
+                return Err(PublishError::new(
+                    PublishErrorKind::Throttled,
+                    format!("{}: {blocked}", inner.shown),
+                ));
+            }
             inner.exchange_exists().await
         }
         .boxed()
@@ -678,7 +701,12 @@ async fn publish_batch(
                     match tokio::time::timeout(inner.timeout, confirm).await {
                         Err(_) => Err(Failure::Own(PublishError::new(
                             PublishErrorKind::Timeout,
-                            format!("{}: no confirm in time", inner.shown),
+                            match inner.blocked().await {
+                                Some(blocked) => {
+                                    format!("{}: no confirm in time: {blocked}", inner.shown)
+                                }
+                                None => format!("{}: no confirm in time", inner.shown),
+                            },
                         ))),
                         Ok(Err(e)) => Err(inner.classify(e, size, &exchange)),
                         Ok(Ok(confirmation)) => Ok(confirmation),

@@ -231,8 +231,17 @@ fn classify(error: RedisError, what: &str) -> PublishError {
             )
             .with_source(error)
         }
-        ErrorKind::Io => PublishErrorKind::Unavailable,
+        // The server's condition, the same for every event: loading its data, or a
+        // failover under way.
+        ErrorKind::Server(
+            ServerErrorKind::BusyLoading
+            | ServerErrorKind::TryAgain
+            | ServerErrorKind::MasterDown
+            | ServerErrorKind::ClusterDown,
+        ) => PublishErrorKind::Unavailable,
+        // Before `Io`: a timeout is of that kind too, and was reported as unavailable.
         _ if error.is_timeout() => PublishErrorKind::Timeout,
+        ErrorKind::Io => PublishErrorKind::Unavailable,
         _ if error.is_connection_dropped() || error.is_connection_refusal() => {
             PublishErrorKind::Unavailable
         }
@@ -252,9 +261,24 @@ fn classify(error: RedisError, what: &str) -> PublishError {
                 )
                 .with_source(error)
             }
+            // Full: it refuses every write, not this event's alone.
+            Some("OOM") => {
+                return PublishError::new(
+                    PublishErrorKind::Unavailable,
+                    format!(
+                        "redis {what}: the server is out of memory (used memory above \
+                         maxmemory, and a policy that evicts none of the streams): set the \
+                         sink's maxlen to trim them, raise maxmemory, or let the consumers \
+                         catch up"
+                    ),
+                )
+                .with_source(error)
+            }
+            // Busy running another client's script.
+            Some("BUSY") => PublishErrorKind::Unavailable,
             _ => PublishErrorKind::BrokerFailure,
         },
-        // OOM, LOADING, BUSY and the rest: the server may recover.
+        // The rest: the server may recover.
         _ => PublishErrorKind::BrokerFailure,
     };
     PublishError::new(kind, format!("redis {what}")).with_source(error)

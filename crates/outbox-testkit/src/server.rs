@@ -156,11 +156,18 @@ impl ScriptedServer {
 
     /// Runs `servers.sh <command>` for this server; returns its standard output.
     pub fn script(&self, command: &str) -> String {
+        self.script_with(&[command])
+    }
+
+    /// Runs `servers.sh <args>` for this server (`rabbitmqctl …`); returns its standard
+    /// output.
+    pub fn script_with(&self, args: &[&str]) -> String {
+        let command = args.join(" ");
         let script =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/servers.sh");
         let out = Command::new("bash")
             .arg(script)
-            .arg(command)
+            .args(args)
             .env("OUTBOX_TEST_STATE", self.state.path())
             .env(self.port_env, self.port.to_string())
             .env("OUTBOX_TEST_SERVERS", self.server)

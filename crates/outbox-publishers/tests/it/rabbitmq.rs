@@ -416,8 +416,11 @@ async fn a_full_queue_that_rejects_publishes_is_named_with_the_routing_key() {
         .await
         .remove(0);
     let err = outcome.expect_err("the full queue rejects the publish");
-    assert!(
-        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
+    // The queue's condition, not the event's: it spends no attempt while nothing is
+    // confirmed (it was a broker failure, counted as the event's own).
+    assert_eq!(
+        err.kind(),
+        outbox_core::PublishErrorKind::Throttled,
         "{err}"
     );
     let said = err.to_string();
@@ -652,4 +655,51 @@ async fn a_batch_that_cannot_start_in_time_is_given_back_unsent() {
         .as_ref()
         .expect_err("queued past half the timeout");
     assert_eq!(unsent.kind(), PublishErrorKind::NotSent, "{unsent}");
+}
+
+/// A broker under a memory alarm blocks its publishers (`connection.blocked`): nothing is
+/// confirmed, and the timeout named no cause, nor did the health check. Both now say the
+/// broker blocked publishing, and the fix; once the alarm clears, events go out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_blocks_publishers_for_an_alarm_is_said_so() {
+    let h = private_harness().await;
+    let broker = h.private.as_ref().expect("a broker of the test's own");
+    let config: SinkConfig =
+        serde_json::from_value(serde_json::json!({ "uri": h.url, "timeout": "2s" }))
+            .expect("valid sink settings");
+    let sink = outbox_publishers::build_sink("rabbit", &config)
+        .await
+        .unwrap();
+    let send = |n: i64| {
+        let routed = Routed {
+            cloudevents: None,
+            event: event(n, "k", b"{}".to_vec()),
+            target: h.queue.clone(),
+        };
+        let sink = sink.clone();
+        async move { sink.send(vec![routed]).await.remove(0) }
+    };
+    send(1).await.expect("the broker confirms before the alarm");
+
+    let ctl = |args: &[&str]| broker.script_with(&[&["rabbitmqctl"], args].concat());
+    ctl(&["set_vm_memory_high_watermark", "absolute", "1"]);
+    let err = send(2)
+        .await
+        .expect_err("a blocked broker confirms nothing");
+    assert_eq!(err.kind(), PublishErrorKind::Timeout, "{err}");
+    assert!(err.to_string().contains("blocked publishing"), "{err}");
+    let unhealthy = sink.health().await.expect_err("blocked is not healthy");
+    assert!(
+        unhealthy.to_string().contains("vm_memory_high_watermark"),
+        "{unhealthy}"
+    );
+
+    ctl(&["set_vm_memory_high_watermark", "0.4"]);
+    outbox_testkit::eventually(
+        "a publish confirmed once the alarm clears",
+        std::time::Duration::from_secs(30),
+        || async { send(3).await.ok() },
+    )
+    .await;
+    sink.health().await.expect("healthy again");
 }

@@ -527,3 +527,25 @@ async fn a_redis_cluster_node_is_refused_saying_so() {
         "{said}"
     );
 }
+
+/// A server out of memory refuses every write: the destination's condition, unavailable
+/// (which spends no attempt while nothing is confirmed), with the fix. It was a broker
+/// failure, which the engine counts as the event's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_out_of_memory_is_unavailable_and_names_the_fix() {
+    use outbox_core::PublishErrorKind;
+    let (server, mut admin) = server_and_admin().await;
+    let config = SinkConfig::new(url(&server));
+    assert!(send_one(&config, "s").await.is_ok());
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", "maxmemory-policy", "noeviction", "maxmemory", "1"])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let err = send_one(&config, "s")
+        .await
+        .expect_err("the server is full");
+    assert_eq!(err.kind(), PublishErrorKind::Unavailable, "{err}");
+    assert!(err.to_string().contains("out of memory"), "{err}");
+    assert!(err.to_string().contains("maxlen"), "{err}");
+}
