@@ -25,6 +25,7 @@ use outbox_core::health::Check;
 use outbox_core::migration::{CLUSTER_PROTOCOL, OLDEST_PEER_PROTOCOL};
 use outbox_core::store::{
     ClaimMode, Heartbeat, Heartbeated, Incarnation, NodeRegistry, PartitionRegistry, Registration,
+    Way,
 };
 use outbox_core::{Health, NodeId, Ownership, StoreError, StoreErrorKind};
 use tokio::sync::watch;
@@ -93,22 +94,22 @@ impl Coordinator {
         config: ClusterConfig,
     ) -> Result<Self, StoreError> {
         let modes = claims.modes();
-        if let Some((modes_registry, mode)) = &modes {
-            wait_out_other_mode(&*registry, &**modes_registry, *mode, &config).await?;
+        if let Some((modes_registry, way)) = &modes {
+            wait_out_other_mode(&*registry, &**modes_registry, *way, &config).await?;
         }
         let partitions = match claims {
             Claims::Partitions(partitions) => Some(partitions),
             Claims::Unordered(_) | Claims::Capture(_) | Claims::Elsewhere => None,
         };
         let incarnation = register(&*registry, &config).await?;
-        if let Some((modes_registry, mode)) = &modes {
-            let met = announce_then_look(&**modes_registry, *mode, &config.node).await;
+        if let Some((modes_registry, way)) = &modes {
+            let met = announce_then_look(&**modes_registry, *way, &config.node).await;
             if !matches!(&met, Ok(peers) if peers.is_empty()) {
                 let _ = registry.deregister(config.node.clone(), incarnation).await;
                 let peers = met?;
                 return Err(StoreError::new(
                     StoreErrorKind::Config,
-                    claim_modes_meet(*mode, &peers, "refused (the nodes started together)"),
+                    claim_modes_meet(*way, &peers, "refused (the nodes started together)"),
                 ));
             }
         }
@@ -313,17 +314,29 @@ async fn register(
 }
 
 /// Says in the node's row how it claims the outbox's rows, then lists the live nodes that
-/// claim them the other way, in a statement of its own: of two nodes of the two kinds
+/// claim them in another mode, in a statement of its own: of two nodes of the two kinds
 /// starting together, at least one then sees the other (its look runs after the other's
 /// announcement committed, or the other's look after its own). The look before the
 /// registration ([`wait_out_other_mode`]) saw neither, and both relayed, most events twice.
+/// (Ordered nodes of another partition count are waited for in the rounds: [`balance`].)
 async fn announce_then_look(
     modes: &dyn PartitionRegistry,
-    mode: ClaimMode,
+    way: Way,
     node: &NodeId,
-) -> Result<Vec<(String, ClaimMode)>, StoreError> {
-    modes.claim_mode_peers(node.clone(), mode, true).await?;
-    modes.claim_mode_peers(node.clone(), mode, false).await
+) -> Result<Vec<(String, Way)>, StoreError> {
+    modes.claim_mode_peers(node.clone(), way, true).await?;
+    Ok(other_modes(
+        way,
+        modes.claim_mode_peers(node.clone(), way, false).await?,
+    ))
+}
+
+/// Of the nodes `claim_mode_peers` lists, those of another mode than `way`'s.
+fn other_modes(way: Way, peers: Vec<(String, Way)>) -> Vec<(String, Way)> {
+    peers
+        .into_iter()
+        .filter(|(_, theirs)| theirs.mode != way.mode)
+        .collect()
 }
 
 /// Returns once no live node claims the outbox's rows the other way from this one
@@ -334,14 +347,17 @@ async fn announce_then_look(
 async fn wait_out_other_mode(
     registry: &dyn NodeRegistry,
     modes: &dyn PartitionRegistry,
-    mode: ClaimMode,
+    way: Way,
     config: &ClusterConfig,
 ) -> Result<(), StoreError> {
     let mut first_seen: Option<BTreeMap<String, std::time::SystemTime>> = None;
     loop {
-        let peers = modes
-            .claim_mode_peers(config.node.clone(), mode, false)
-            .await?;
+        let peers = other_modes(
+            way,
+            modes
+                .claim_mode_peers(config.node.clone(), way, false)
+                .await?,
+        );
         if peers.is_empty() {
             return Ok(());
         }
@@ -357,7 +373,7 @@ async fn wait_out_other_mode(
                 tracing::warn!(
                     "{}",
                     claim_modes_meet(
-                        mode,
+                        way,
                         &peers,
                         "waiting for their heartbeats to move (refused) or their rows to \
                          expire (they died)"
@@ -366,7 +382,7 @@ async fn wait_out_other_mode(
                 first_seen = Some(expiries);
             }
             Some(seen) => {
-                let alive: Vec<(String, ClaimMode)> = peers
+                let alive: Vec<(String, Way)> = peers
                     .iter()
                     .filter(|(id, _)| {
                         let now = expiries.get(id);
@@ -378,7 +394,7 @@ async fn wait_out_other_mode(
                 if !alive.is_empty() {
                     return Err(StoreError::new(
                         StoreErrorKind::Config,
-                        claim_modes_meet(mode, &alive, "refused"),
+                        claim_modes_meet(way, &alive, "refused"),
                     ));
                 }
                 // Nodes that appeared since are watched from now.
@@ -405,7 +421,7 @@ async fn run(
         watch::Sender<Option<Incarnation>>,
         Arc<watch::Sender<Option<Halt>>>,
     ),
-    modes: Option<(Arc<dyn PartitionRegistry>, ClaimMode)>,
+    modes: Option<(Arc<dyn PartitionRegistry>, Way)>,
 ) {
     let first = *written.borrow();
     let mut keeper = Keeper {
@@ -417,6 +433,7 @@ async fn run(
         halt,
         modes,
         meeting: Vec::new(),
+        other_counts: Vec::new(),
         counted: None,
         counting: None,
         unanswered: false,
@@ -447,9 +464,13 @@ struct Keeper {
     halt: Arc<watch::Sender<Option<Halt>>>,
     /// Where nodes taking the outbox's events different ways could meet: the registry, and
     /// this node's way.
-    modes: Option<(Arc<dyn PartitionRegistry>, ClaimMode)>,
-    /// The nodes taking the events another way that this node last said it relays beside.
-    meeting: Vec<(String, ClaimMode)>,
+    modes: Option<(Arc<dyn PartitionRegistry>, Way)>,
+    /// The nodes taking the events in another mode that this node last said it relays
+    /// beside.
+    meeting: Vec<(String, Way)>,
+    /// The ordered nodes splitting keys by another partition count, found by the round's
+    /// look: this node takes no partition while they live ([`balance`]).
+    other_counts: Vec<(String, Way)>,
     /// When the partitions table was last counted for the gauges, and the count running.
     counted: Option<Instant>,
     counting: Option<JoinHandle<()>>,
@@ -550,27 +571,33 @@ impl Keeper {
     /// another way: a node that finds one whose way ranks above its own (ordered, then
     /// capture, then unordered) stops; one that finds only lower ones says so, once per
     /// change, while they stop. A failed look waits for the next round.
+    /// Ordered nodes of another partition count are kept for the round's lease keeping
+    /// ([`balance`]). A failed look waits for the next round, and keeps the last one's.
     async fn check_claim_modes(&mut self) {
-        let Some((registry, mode)) = &self.modes else {
+        let Some((registry, way)) = &self.modes else {
             return;
         };
         let node = self.config.node.clone();
-        let peers = match registry.claim_mode_peers(node, *mode, true).await {
+        let looked = match registry.claim_mode_peers(node, *way, true).await {
             Ok(peers) => peers,
             Err(e) => {
                 tracing::debug!(error = %e.report(), "could not list the nodes taking the events another way");
                 return;
             }
         };
-        if peers.iter().any(|(_, theirs)| theirs > mode) {
+        let (peers, other_counts): (Vec<_>, Vec<_>) = looked
+            .into_iter()
+            .partition(|(_, theirs)| theirs.mode != way.mode);
+        self.other_counts = other_counts;
+        if peers.iter().any(|(_, theirs)| theirs.mode > way.mode) {
             halt_once(
                 &self.halt,
-                Halt::configuration(claim_modes_meet(*mode, &peers, "stopping (exit 2)")),
+                Halt::configuration(claim_modes_meet(*way, &peers, "stopping (exit 2)")),
             );
         } else if !peers.is_empty() && peers != self.meeting {
             tracing::error!(
                 "{}",
-                claim_modes_meet(*mode, &peers, "going on: they stop at their next heartbeat")
+                claim_modes_meet(*way, &peers, "going on: they stop at their next heartbeat")
             );
         }
         self.meeting = peers;
@@ -601,7 +628,7 @@ impl Keeper {
         };
         // The count the node started with, which its claims and lanes hash keys by.
         let count = p.ownership.count();
-        let handing_over = balance(p, &self.config, count, &live).await;
+        let handing_over = balance(p, &self.config, count, &live, &self.other_counts).await;
         self.count_unowned(count);
         handing_over
     }
@@ -726,9 +753,19 @@ fn show_owned(p: &Partitions) {
 
 /// One round of lease keeping, reported to the health as one attempt. Returns whether a
 /// hand-over is still waiting.
-async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[String]) -> bool {
+async fn balance(
+    p: &Partitions,
+    config: &ClusterConfig,
+    count: u32,
+    live: &[String],
+    other_counts: &[(String, Way)],
+) -> bool {
     let attempt = config.health.begin(Check::Leases);
-    if let Some(why) = older_nodes_to_wait_for(p, config).await {
+    let why = match other_counts_to_wait_for(count, other_counts) {
+        Some(why) => Some(why),
+        None => older_nodes_to_wait_for(p, config).await,
+    };
+    if let Some(why) = why {
         // The leases it holds are not renewed: they lapse, by its own clock first.
         if attempt.failed(why.clone()) {
             tracing::warn!("{why}");
@@ -770,6 +807,32 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
     }
     show_owned(p);
     waiting
+}
+
+/// Why this node, splitting keys by `count` partitions, takes no partition now: live
+/// ordered nodes that split them by another count. They read the partitions table before
+/// it changed, and stop at their next heartbeat round, once they see it so
+/// ([`partitions_changed`]); a node taking partitions beside them shared keys with them,
+/// and sent events twice and out of order. (A node that is itself behind the table stops
+/// in this round's count.) Its leases are not renewed meanwhile: they lapse.
+fn other_counts_to_wait_for(count: u32, other_counts: &[(String, Way)]) -> Option<String> {
+    if other_counts.is_empty() {
+        return None;
+    }
+    let nodes: Vec<String> = other_counts
+        .iter()
+        .map(|(id, way)| match way.partitions {
+            Some(theirs) => format!("{id} ({theirs} partitions)"),
+            None => id.clone(),
+        })
+        .collect();
+    Some(format!(
+        "waiting for nodes that split keys by another partition count to stop before taking \
+         partitions: {}; this node splits them by {count}, as the partitions table holds. \
+         They stop at their next heartbeat, having seen the table change; one that does not \
+         is stuck: stop it",
+        nodes.join(", ")
+    ))
 }
 
 /// Why this node takes no partition now: live nodes of a cluster protocol older than it
@@ -888,11 +951,17 @@ pub enum Claims {
 
 impl Claims {
     /// The registry to look for the other ways' nodes in, and this node's way.
-    fn modes(&self) -> Option<(Arc<dyn PartitionRegistry>, ClaimMode)> {
+    fn modes(&self) -> Option<(Arc<dyn PartitionRegistry>, Way)> {
+        let way = |mode, partitions| Way { mode, partitions };
         match self {
-            Claims::Partitions(p) => Some((p.registry.clone(), ClaimMode::Ordered)),
-            Claims::Unordered(registry) => Some((registry.clone(), ClaimMode::Unordered)),
-            Claims::Capture(registry) => Some((registry.clone(), ClaimMode::Capture)),
+            Claims::Partitions(p) => Some((
+                p.registry.clone(),
+                way(ClaimMode::Ordered, Some(p.ownership.count())),
+            )),
+            Claims::Unordered(registry) => {
+                Some((registry.clone(), way(ClaimMode::Unordered, None)))
+            }
+            Claims::Capture(registry) => Some((registry.clone(), way(ClaimMode::Capture, None))),
             Claims::Elsewhere => None,
         }
     }
@@ -900,10 +969,11 @@ impl Claims {
 
 /// What is wrong when this node, taking the outbox's events as `mine`, finds `peers`
 /// taking them another way, and what it does (`outcome`).
-fn claim_modes_meet(mine: ClaimMode, peers: &[(String, ClaimMode)], outcome: &str) -> String {
+fn claim_modes_meet(mine: Way, peers: &[(String, Way)], outcome: &str) -> String {
+    let mine = mine.mode;
     let theirs: Vec<String> = peers
         .iter()
-        .map(|(id, mode)| format!("{id}, {}", mode.described()))
+        .map(|(id, way)| format!("{id}, {}", way.mode.described()))
         .collect();
     format!(
         "this {} node would relay the outbox beside node(s) that take its events another way \

@@ -576,6 +576,26 @@ impl ClaimMode {
     }
 }
 
+/// How one node takes an outbox's events: its [`ClaimMode`], and for an ordered node the
+/// partition count it splits keys by (read from the partitions table at its start).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Way {
+    pub mode: ClaimMode,
+    /// `None` for an unordered or capture node, and for a node from before counts were
+    /// written (schema version 8).
+    pub partitions: Option<u32>,
+}
+
+impl Way {
+    /// As the relay's messages name it.
+    pub fn described(self) -> String {
+        match self.partitions {
+            Some(count) => format!("{} by {count} partitions", self.mode.described()),
+            None => self.mode.described().to_string(),
+        }
+    }
+}
+
 /// Partition leases with fencing epochs, in the same database as the outbox.
 ///
 /// A lease is taken only when the partition is free, its lease expired, or the taker holds
@@ -603,19 +623,21 @@ pub trait PartitionRegistry: Send + Sync + 'static {
     /// The outbox's partition count (fixed when it was migrated).
     fn partition_count(&self) -> StoreFuture<u32>;
 
-    /// The other live nodes that take this outbox's events another way than `mode`, with
-    /// theirs. The ways must not meet: an ordered claim leases no row, so an unordered node
-    /// claims the rows an ordered one holds; a capture node reads every row from the WAL
-    /// while a polling node claims them; either way most events go out twice. With
-    /// `announce`, first writes `mode` into `node`'s row; the list is read as it was
-    /// before that write. An ordered node from before the modes were written (it says only
-    /// whose partitions it takes) is listed as ordered.
+    /// The other live nodes that take this outbox's events another way than `way`, with
+    /// theirs: another mode, or, both ordered, another known partition count. The ways must
+    /// not meet: an ordered claim leases no row, so an unordered node claims the rows an
+    /// ordered one holds; a capture node reads every row from the WAL while a polling node
+    /// claims them; either way most events go out twice. Ordered nodes that split keys by
+    /// two counts share keys, and send their events twice and out of order. With
+    /// `announce`, first writes `way` into `node`'s row; the list is read as it was before
+    /// that write. An ordered node from before the modes were written (it says only whose
+    /// partitions it takes) is listed as ordered, its count unknown.
     fn claim_mode_peers(
         &self,
         node: NodeId,
-        mode: ClaimMode,
+        way: Way,
         announce: bool,
-    ) -> StoreFuture<Vec<(String, ClaimMode)>>;
+    ) -> StoreFuture<Vec<(String, Way)>>;
 
     /// Takes the free or expired ones of `partitions`, and those `node` holds already;
     /// returns those taken with their new epochs.

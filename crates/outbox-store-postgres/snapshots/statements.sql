@@ -328,8 +328,8 @@ WITH pushed AS (
                        AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
                  RETURNING expiry
                  ), inserted AS (
-                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table, relays_outbox, claims)
-                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL
+                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table, relays_outbox, claims, partition_count)
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL, NULL
                      WHERE NOT EXISTS (SELECT 1 FROM pushed)
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
@@ -383,17 +383,21 @@ SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_datab
 -- public.outbox: claim_mode_peers
 WITH announced AS (
                     UPDATE "public"."outbox_nodes"
-                       SET partitions_table = CASE WHEN $2 = 'ordered' THEN '"public"."outbox_partitions"' ELSE '' END, relays_outbox = '"public"."outbox"', claims = $2
+                       SET partitions_table = CASE WHEN $2 = 'ordered' THEN '"public"."outbox_partitions"' ELSE '' END, relays_outbox = '"public"."outbox"', claims = $2,
+                           partition_count = $4
                      WHERE id = $1 AND $3
                        AND (partitions_table IS DISTINCT FROM CASE WHEN $2 = 'ordered' THEN '"public"."outbox_partitions"' ELSE '' END
                             OR relays_outbox IS DISTINCT FROM '"public"."outbox"'
-                            OR claims IS DISTINCT FROM $2)
+                            OR claims IS DISTINCT FROM $2
+                            OR partition_count IS DISTINCT FROM $4)
                  RETURNING id
                  )
-                 SELECT id, claims FROM "public"."outbox_nodes"
+                 SELECT id, claims, partition_count FROM "public"."outbox_nodes"
                   WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
                     AND (relays_outbox = '"public"."outbox"' AND claims <> $2
-                         OR claims IS NULL AND $2 <> 'ordered' AND partitions_table = '"public"."outbox_partitions"')
+                         OR claims IS NULL AND $2 <> 'ordered' AND partitions_table = '"public"."outbox_partitions"'
+                         OR relays_outbox = '"public"."outbox"' AND claims = $2
+                            AND partition_count <> $4)
                   ORDER BY id
 
 -- public.outbox: acquire
@@ -421,9 +425,9 @@ SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int
 
 -- public.outbox: register
 WITH taken AS (
-                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table, relays_outbox, claims)
-                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL)
-                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table, relays_outbox = NULL, claims = NULL
+                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table, relays_outbox, claims, partition_count)
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL, NULL)
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table, relays_outbox = NULL, claims = NULL, partition_count = NULL
                      WHERE "public"."outbox_nodes".expiry < (now() AT TIME ZONE 'UTC')
                  RETURNING expiry
                  )
@@ -680,6 +684,13 @@ INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUE
 SET LOCAL lock_timeout = '5s';
 ALTER TABLE "public"."outbox_nodes" ADD COLUMN IF NOT EXISTS relays_outbox text, ADD COLUMN IF NOT EXISTS claims text;
 INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 7, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 8: the nodes table's partition_count column (the count each ordered node splits keys by: a node started after the partitions table changed waits for the nodes of the old count to stop before it takes partitions) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+SET LOCAL lock_timeout = '5s';
+ALTER TABLE "public"."outbox_nodes" ADD COLUMN IF NOT EXISTS partition_count integer;
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 8, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
@@ -1106,8 +1117,8 @@ WITH pushed AS (
                        AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
                  RETURNING expiry
                  ), inserted AS (
-                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table, relays_outbox, claims)
-                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL
+                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table, relays_outbox, claims, partition_count)
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL, NULL
                      WHERE NOT EXISTS (SELECT 1 FROM pushed)
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
@@ -1161,17 +1172,21 @@ SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_datab
 -- app.events: claim_mode_peers
 WITH announced AS (
                     UPDATE "app"."relay_nodes"
-                       SET partitions_table = CASE WHEN $2 = 'ordered' THEN '"app"."events_partitions"' ELSE '' END, relays_outbox = '"app"."events"', claims = $2
+                       SET partitions_table = CASE WHEN $2 = 'ordered' THEN '"app"."events_partitions"' ELSE '' END, relays_outbox = '"app"."events"', claims = $2,
+                           partition_count = $4
                      WHERE id = $1 AND $3
                        AND (partitions_table IS DISTINCT FROM CASE WHEN $2 = 'ordered' THEN '"app"."events_partitions"' ELSE '' END
                             OR relays_outbox IS DISTINCT FROM '"app"."events"'
-                            OR claims IS DISTINCT FROM $2)
+                            OR claims IS DISTINCT FROM $2
+                            OR partition_count IS DISTINCT FROM $4)
                  RETURNING id
                  )
-                 SELECT id, claims FROM "app"."relay_nodes"
+                 SELECT id, claims, partition_count FROM "app"."relay_nodes"
                   WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
                     AND (relays_outbox = '"app"."events"' AND claims <> $2
-                         OR claims IS NULL AND $2 <> 'ordered' AND partitions_table = '"app"."events_partitions"')
+                         OR claims IS NULL AND $2 <> 'ordered' AND partitions_table = '"app"."events_partitions"'
+                         OR relays_outbox = '"app"."events"' AND claims = $2
+                            AND partition_count <> $4)
                   ORDER BY id
 
 -- app.events: acquire
@@ -1199,9 +1214,9 @@ SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int
 
 -- app.events: register
 WITH taken AS (
-                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table, relays_outbox, claims)
-                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL)
-                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table, relays_outbox = NULL, claims = NULL
+                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table, relays_outbox, claims, partition_count)
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '', NULL, NULL, NULL)
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table, relays_outbox = NULL, claims = NULL, partition_count = NULL
                      WHERE "app"."relay_nodes".expiry < (now() AT TIME ZONE 'UTC')
                  RETURNING expiry
                  )
@@ -1458,6 +1473,13 @@ INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES (
 SET LOCAL lock_timeout = '5s';
 ALTER TABLE "app"."relay_nodes" ADD COLUMN IF NOT EXISTS relays_outbox text, ADD COLUMN IF NOT EXISTS claims text;
 INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 7, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 8: the nodes table's partition_count column (the count each ordered node splits keys by: a node started after the partitions table changed waits for the nodes of the old count to stop before it takes partitions) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+SET LOCAL lock_timeout = '5s';
+ALTER TABLE "app"."relay_nodes" ADD COLUMN IF NOT EXISTS partition_count integer;
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 8, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 

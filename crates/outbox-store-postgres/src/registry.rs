@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures::FutureExt;
 use outbox_core::store::{
     ClaimMode, Heartbeat, Heartbeated, Incarnation, NodeRecord, NodeRegistry, PartitionRecord,
-    PartitionRegistry, Registration, StoreFuture,
+    PartitionRegistry, Registration, StoreFuture, Way,
 };
 use outbox_core::{NodeId, StoreError, StoreErrorKind};
 
@@ -140,23 +140,29 @@ impl PartitionRegistry for PgStore {
     fn claim_mode_peers(
         &self,
         node: NodeId,
-        mode: ClaimMode,
+        way: Way,
         announce: bool,
-    ) -> StoreFuture<Vec<(String, ClaimMode)>> {
+    ) -> StoreFuture<Vec<(String, Way)>> {
         let inner = self.inner.clone();
         async move {
+            let count = way.partitions.map(|n| n.min(i32::MAX as u32) as i32);
             let rows = Self::coordinate(
                 &inner,
                 "nodes taking the events another way",
                 &inner.sql.claim_mode_peers,
-                &[&node.0, &mode.as_str(), &announce],
+                &[&node.0, &way.mode.as_str(), &announce, &count],
             )
             .await?;
             Ok(rows
                 .iter()
                 .map(|r| {
                     let claims: Option<&str> = r.get(1);
-                    (r.get(0), ClaimMode::from_stored(claims))
+                    let count: Option<i32> = r.get(2);
+                    let way = Way {
+                        mode: ClaimMode::from_stored(claims),
+                        partitions: count.map(|n| n.max(0) as u32),
+                    };
+                    (r.get(0), way)
                 })
                 .collect())
         }

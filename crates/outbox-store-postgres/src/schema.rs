@@ -363,6 +363,13 @@ ALTER TABLE {nodes} ADD COLUMN IF NOT EXISTS {column};"
                  of one outbox that take them two ways are refused)",
                 "relays_outbox text, ADD COLUMN IF NOT EXISTS claims text",
             ),
+            nodes_column(
+                8,
+                "the nodes table's partition_count column (the count each ordered node splits \
+                 keys by: a node started after the partitions table changed waits for the \
+                 nodes of the old count to stop before it takes partitions)",
+                "partition_count integer",
+            ),
         ];
         Steps::new("outbox", steps)
     }
@@ -383,7 +390,8 @@ CREATE TABLE IF NOT EXISTS {} (
     protocol         integer,
     partitions_table text,
     relays_outbox    text,
-    claims           text
+    claims           text,
+    partition_count  integer
 );",
             outbox_layout::sql::pg_create_schema(&self.nodes.schema.quoted()),
             self.nodes.quoted()
@@ -1179,9 +1187,10 @@ impl Native {
     fn takes_no_partitions(&self) -> (&'static str, &'static str, &'static str) {
         match self.native_nodes {
             true => (
-                ", partitions_table, relays_outbox, claims",
-                ", '', NULL, NULL",
-                ", partitions_table = EXCLUDED.partitions_table, relays_outbox = NULL, claims = NULL",
+                ", partitions_table, relays_outbox, claims, partition_count",
+                ", '', NULL, NULL, NULL",
+                ", partitions_table = EXCLUDED.partitions_table, relays_outbox = NULL, claims = NULL, \
+                 partition_count = NULL",
             ),
             false => ("", "", ""),
         }
@@ -1192,11 +1201,13 @@ impl Native {
         format!("'{}'", self.parts.replace('\'', "''"))
     }
 
-    /// $1 node, $2 its mode (`ClaimMode::as_str`), $3 whether to announce it: with $3, writes
-    /// into the node's row the outbox it relays, how, and (ordered) whose partitions it
-    /// takes; then lists the other live nodes of this outbox that take its events another
-    /// way, with theirs (NULL: an ordered node from before the column, known by the
-    /// partitions it takes). The list is read in the statement's snapshot, before the write.
+    /// $1 node, $2 its mode (`ClaimMode::as_str`), $3 whether to announce it, $4 its
+    /// partition count (ordered; else NULL): with $3, writes into the node's row the outbox
+    /// it relays, how, and (ordered) whose partitions it takes and by which count; then
+    /// lists the other live nodes of this outbox that take its events another way, with
+    /// theirs (NULL: an ordered node from before the column, known by the partitions it
+    /// takes), and the ordered ones that split keys by another count. The list is read in
+    /// the statement's snapshot, before the write.
     fn claim_mode_peers(&self) -> String {
         let (nodes, parts) = (&self.nodes, self.parts_literal());
         let outbox = format!("'{}'", self.t.replace('\'', "''"));
@@ -1204,17 +1215,21 @@ impl Native {
         format!(
             "WITH announced AS (
                     UPDATE {nodes}
-                       SET partitions_table = {takes}, relays_outbox = {outbox}, claims = $2
+                       SET partitions_table = {takes}, relays_outbox = {outbox}, claims = $2,
+                           partition_count = $4
                      WHERE id = $1 AND $3
                        AND (partitions_table IS DISTINCT FROM {takes}
                             OR relays_outbox IS DISTINCT FROM {outbox}
-                            OR claims IS DISTINCT FROM $2)
+                            OR claims IS DISTINCT FROM $2
+                            OR partition_count IS DISTINCT FROM $4)
                  RETURNING id
                  )
-                 SELECT id, claims FROM {nodes}
+                 SELECT id, claims, partition_count FROM {nodes}
                   WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
                     AND (relays_outbox = {outbox} AND claims <> $2
-                         OR claims IS NULL AND $2 <> 'ordered' AND partitions_table = {parts})
+                         OR claims IS NULL AND $2 <> 'ordered' AND partitions_table = {parts}
+                         OR relays_outbox = {outbox} AND claims = $2
+                            AND partition_count <> $4)
                   ORDER BY id"
         )
     }

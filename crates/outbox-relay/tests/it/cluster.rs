@@ -1124,6 +1124,17 @@ async fn migrated_outbox() -> String {
 /// Node `node` of the outbox at `url`, `--ordering ordering`, heartbeating every 200 ms (its
 /// row expires 3 s after the last) and writing its events to `events.jsonl` in `dir`.
 fn node_to_a_file(dir: &std::path::Path, url: &str, node: &str, ordering: &str) -> RelayProcess {
+    node_to_a_file_beating(dir, url, node, ordering, "3s")
+}
+
+/// [`node_to_a_file`] whose row and leases last `heartbeat_timeout`.
+fn node_to_a_file_beating(
+    dir: &std::path::Path,
+    url: &str,
+    node: &str,
+    ordering: &str,
+    heartbeat_timeout: &str,
+) -> RelayProcess {
     let args = [
         "run",
         "--node-id",
@@ -1133,7 +1144,7 @@ fn node_to_a_file(dir: &std::path::Path, url: &str, node: &str, ordering: &str) 
         "--heartbeat-interval",
         "200ms",
         "--heartbeat-timeout",
-        "3s",
+        heartbeat_timeout,
         "--database-url",
         url,
         "--http-addr",
@@ -1198,6 +1209,52 @@ async fn partitions_added_under_a_running_node_stop_it_and_its_restart_takes_the
     )
     .await;
     assert!(relay.terminate().await.success(), "{}", relay.logs());
+}
+
+/// A node started right after partitions were added, while a node of the old count still
+/// ran: it hashed keys by 128 beside a node hashing them by 64 until that one's next round,
+/// and shared keys with it (84 and 98 of 8,000 events went out twice in a review, with a
+/// 5 s heartbeat). Each ordered node now writes its count in its row, and one that finds a
+/// live node of another count takes no partition until that node is gone. The old node is
+/// paused (SIGSTOP) across the change, so that it is surely still there when the new one
+/// starts; resumed, it sees the change and stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_started_after_the_partitions_changed_waits_for_the_nodes_of_the_old_count() {
+    let url = migrated_outbox().await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = pg(&url).await;
+    let db = &db;
+    // n1's row outlives the pause: 30 s.
+    let mut old = node_to_a_file_beating(dir.path(), &url, "n1", "key", "30s");
+    eventually(
+        "n1 to hold the 64 partitions",
+        Duration::from_secs(30),
+        || async move { (partitions_held(db, "n1").await == 64).then_some(()) },
+    )
+    .await;
+    old.signal("-STOP");
+    db.batch_execute("INSERT INTO outbox_partitions (partition) SELECT generate_series(64, 127)")
+        .await
+        .unwrap();
+    let mut new = node_to_a_file(dir.path(), &url, "n2", "key");
+    new.wait_for_log(
+        "n2 waiting for the node of the old count",
+        Duration::from_secs(30),
+        "waiting for nodes that split keys by another partition count to stop before taking \
+         partitions: n1 (64 partitions); this node splits them by 128",
+    )
+    .await;
+    assert_eq!(partitions_held(db, "n2").await, 0, "{}", new.logs());
+    old.signal("-CONT");
+    let status = old.wait_exit_within(Duration::from_secs(30)).await;
+    assert_eq!(status.code(), Some(1), "{}", old.logs());
+    eventually(
+        "n2 to hold the 128 partitions",
+        Duration::from_secs(30),
+        || async move { (partitions_held(db, "n2").await == 128).then_some(()) },
+    )
+    .await;
+    assert!(new.terminate().await.success(), "{}", new.logs());
 }
 
 /// Ordered and unordered (`--ordering none`) nodes on one outbox: an ordered claim leases

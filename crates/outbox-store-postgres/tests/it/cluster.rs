@@ -1332,10 +1332,10 @@ impl outbox_core::store::PartitionRegistry for FaultyPartitions {
     fn claim_mode_peers(
         &self,
         node: NodeId,
-        mode: outbox_core::store::ClaimMode,
+        way: outbox_core::store::Way,
         announce: bool,
-    ) -> outbox_core::store::StoreFuture<Vec<(String, outbox_core::store::ClaimMode)>> {
-        let looked = self.store.claim_mode_peers(node, mode, announce);
+    ) -> outbox_core::store::StoreFuture<Vec<(String, outbox_core::store::Way)>> {
+        let looked = self.store.claim_mode_peers(node, way, announce);
         let racing = match announce {
             false => self
                 .ordered_peer_starts_after_the_first_look
