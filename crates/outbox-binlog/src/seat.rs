@@ -290,6 +290,15 @@ impl ActiveReader {
                 return Ok(Taken::Held { holder });
             }
         }
+        let polling = outbox_store_mysql::polling_lock_name(&config.outbox);
+        if let Some(relay) = outbox_store_mysql::other_way_holder(&mut conn, &polling).await? {
+            conn.disconnect().await?;
+            return Err(BinlogError::Config(outbox_store_mysql::ways_meet(
+                &config.outbox,
+                outbox_store_mysql::Relaying::Capture,
+                relay,
+            )));
+        }
         let lease_ms = lease_millis(config.lease);
         let lease_from = std::time::Instant::now();
         conn.exec_drop(
@@ -545,9 +554,9 @@ pub fn quote_string(value: &str) -> String {
     format!("'{}'", value.replace('\\', "\\\\").replace('\'', "''"))
 }
 
-/// The seat lock's name ([`outbox_core::ident::server_lock_name`]).
+/// The seat lock's name ([`outbox_store_mysql::capture_lock_name`]).
 fn lock_name(outbox: &str) -> String {
-    outbox_core::ident::server_lock_name("outbox-binlog:", outbox)
+    outbox_store_mysql::capture_lock_name(outbox)
 }
 
 #[cfg(test)]

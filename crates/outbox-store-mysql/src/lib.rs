@@ -355,10 +355,46 @@ impl MySql {
         .await
     }
 
-    /// A `GET_LOCK` name: server-wide, so the database is named too; at most 64 characters.
-    fn lock_name(&self, m: &Mapping) -> String {
+    /// The table as the relay's locks name it: `database.table`.
+    fn outbox_name(&self, m: &Mapping) -> String {
         let database = m.schema.as_deref().or(self.opts.db_name()).unwrap_or("");
-        outbox_core::ident::server_lock_name("outbox-relay ", &format!("{database}.{}", m.table))
+        format!("{database}.{}", m.table)
+    }
+
+    fn lock_name(&self, m: &Mapping) -> String {
+        polling_lock_name(&self.outbox_name(m))
+    }
+
+    /// `conn`, which just took the active relay's lock of `mapping`'s table, as the lock
+    /// held; refused (the lock let go, [`StoreErrorKind::Config`]) while a binlog capture
+    /// reader of the same table holds its own ([`ways_meet`]). The relay stays a standby,
+    /// saying why, and tries again: a switch of ways goes on once the other way's relays
+    /// have stopped.
+    async fn hold_alone(&self, mapping: &Mapping, mut conn: Conn) -> StoreResult<HeldLock> {
+        let context = "take the active-relay lock";
+        let outbox = self.outbox_name(mapping);
+        let capture = capture_lock_name(&outbox);
+        let reader = self
+            .bounded(context, async {
+                other_way_holder(&mut conn, &capture)
+                    .await
+                    .map_err(|e| db_error(context, e))
+            })
+            .await;
+        match reader {
+            Ok(None) => Ok(HeldLock::hold(conn, self.operation_timeout)),
+            Ok(Some(reader)) => {
+                let_go(conn).await;
+                Err(StoreError::new(
+                    StoreErrorKind::Config,
+                    ways_meet(&outbox, Relaying::Polling, reader),
+                ))
+            }
+            Err(e) => {
+                let_go(conn).await;
+                Err(e)
+            }
+        }
     }
 }
 
@@ -477,7 +513,7 @@ impl MappedDb for MySql {
             Ok(Err((conn, stale)))
         });
         let (conn, (holder, idle)) = match taken.await? {
-            Ok(conn) => return Ok(Some(HeldLock::hold(conn, self.operation_timeout))),
+            Ok(conn) => return self.hold_alone(mapping, conn).await.map(Some),
             Err((conn, None)) => {
                 let_go(conn).await;
                 return Ok(None);
@@ -491,8 +527,10 @@ impl MappedDb for MySql {
             "the active relay's lock is held by a session idle past its keepalive (a relay \
              whose host or network is gone, or that is paused): ending it to take over"
         );
-        self.taking_over(|context| end_holder(conn, Some(holder), &name, context))
-            .await
+        self.taking_over(mapping, |context| {
+            end_holder(conn, Some(holder), &name, context)
+        })
+        .await
     }
 
     async fn lock_alive(&self, lock: &mut HeldLock) -> bool {
@@ -507,8 +545,10 @@ impl MappedDb for MySql {
         mapping: &Mapping,
         entitled: &(dyn Fn() -> bool + Sync),
     ) -> StoreResult<Option<HeldLock>> {
-        self.taking_over(|context| self.take_stale_lock(mapping, entitled, context))
-            .await
+        self.taking_over(mapping, |context| {
+            self.take_stale_lock(mapping, entitled, context)
+        })
+        .await
     }
 
     async fn query(
@@ -920,6 +960,7 @@ impl MySql {
     /// held from here ([`HeldLock`]).
     async fn taking_over<'a, F>(
         &'a self,
+        mapping: &Mapping,
         take: impl FnOnce(&'static str) -> F,
     ) -> StoreResult<Option<HeldLock>>
     where
@@ -928,7 +969,10 @@ impl MySql {
         let context = "take the active-relay lock from a stale holder";
         let within = self.operation_timeout + Duration::from_secs(10);
         match tokio::time::timeout(within, take(context)).await {
-            Ok(taken) => Ok(taken?.map(|conn| HeldLock::hold(conn, self.operation_timeout))),
+            Ok(taken) => match taken? {
+                Some(conn) => self.hold_alone(mapping, conn).await.map(Some),
+                None => Ok(None),
+            },
             Err(_) => Err(StoreError::new(
                 StoreErrorKind::Connection,
                 format!("{context}: no answer from the database within {within:?}"),
@@ -1170,6 +1214,61 @@ async fn end_holder(
         .await
         .map_err(|e| db_error(context, e))?;
     Ok((got.flatten() == Some(1)).then_some(conn))
+}
+
+/// The `GET_LOCK` name of an outbox's (`database.table`) active polling relay: server-wide,
+/// so the database is named too; at most 64 characters.
+pub fn polling_lock_name(outbox: &str) -> String {
+    outbox_core::ident::server_lock_name("outbox-relay ", outbox)
+}
+
+/// The `GET_LOCK` name of an outbox's (`database.table`) binlog capture reader.
+pub fn capture_lock_name(outbox: &str) -> String {
+    outbox_core::ident::server_lock_name("outbox-binlog:", outbox)
+}
+
+/// How a relay takes a MySQL outbox's events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Relaying {
+    /// Claims from the table (the active relay's lock, [`polling_lock_name`]).
+    Polling,
+    /// Reads the binary log (the reader's seat, [`capture_lock_name`]).
+    Capture,
+}
+
+/// The connection that holds the other way's `lock`, if any. Each way's lock keeps only
+/// relays of its own way apart, and a polling relay beside a capture reader sends every
+/// event twice (one takes each row from the table, the other from the log): a relay that
+/// took its own way's lock asks this of the other's, so that of two started together at
+/// least one sees the other.
+pub async fn other_way_holder(
+    conn: &mut Conn,
+    lock: &str,
+) -> Result<Option<u64>, mysql_async::Error> {
+    let holder: Option<Option<u64>> = conn.exec_first("SELECT IS_USED_LOCK(?)", (lock,)).await?;
+    Ok(holder.flatten())
+}
+
+/// Why a relay taking `outbox`'s events as `this` says is refused, the other way's lock
+/// held by connection `holder`.
+pub fn ways_meet(outbox: &str, this: Relaying, holder: u64) -> String {
+    let (this, other) = match this {
+        Relaying::Polling => (
+            "polling relay",
+            "a binlog capture relay (--capture binlog) reads it",
+        ),
+        Relaying::Capture => (
+            "binlog capture relay",
+            "a polling relay is its active relay",
+        ),
+    };
+    format!(
+        "this {this} would relay the outbox {outbox} while {other} (connection {holder} holds \
+         that way's lock): each takes every event, one from the table, the other from the \
+         binary log, so every event would go out twice; this relay takes no event while it \
+         does. Run every relay of one outbox the same way: to switch, stop every relay of the \
+         other way first"
+    )
 }
 
 /// How often the active relay proves its lock's session alive: a ping, from a task of its
