@@ -807,19 +807,7 @@ async fn a_drain_beside_a_running_relay_says_it_waits_as_its_standby() {
 async fn a_polling_relay_and_a_capture_relay_of_one_outbox_never_relay_together() {
     let db = BinlogDb::new().await;
     let polling = |name: &str, out: &str| {
-        let sink = format!("file:{}", db.path(out).display());
-        let args = [
-            "run",
-            "--database-url",
-            &db.url,
-            "--sink",
-            &sink,
-            "--node-id",
-            name,
-            "--http-addr",
-            "",
-        ];
-        RelayProcess::spawn(db.dir.path(), name, &args, &[])
+        crate::support::polling_to_a_file(db.dir.path(), &db.url, name, &db.path(out), &[])
     };
     let said = "would relay the outbox";
     let mut capture = db.reading("capture-1", "capture-1.jsonl").await;

@@ -556,21 +556,9 @@ async fn a_polling_relay_and_a_capture_relay_of_one_outbox_are_never_left_to_run
     let w = WalDb::new().await;
     let dir = w.dir.path().to_path_buf();
     let polling = |name: &str| {
-        let sink = format!("file:{}", dir.join(format!("{name}.jsonl")).display());
-        let args = [
-            "run",
-            "--database-url",
-            &w.url,
-            "--sink",
-            &sink,
-            "--node-id",
-            name,
-            "--http-addr",
-            "",
-            "--log-format",
-            "json",
-        ];
-        RelayProcess::spawn(&dir, name, &args, &[])
+        let out = dir.join(format!("{name}.jsonl"));
+        let json = ["--log-format", "json"];
+        crate::support::polling_to_a_file(&dir, &w.url, name, &out, &json)
     };
     let refused = |relay: &mut RelayProcess, said: &'static str| {
         let logs = relay.logs();

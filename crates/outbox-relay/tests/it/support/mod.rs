@@ -250,6 +250,31 @@ pub async fn await_dead_again_or_published<F, Fut>(
     .await;
 }
 
+/// `run` polling the database at `url` into the file `out`, as node `name`, without HTTP
+/// endpoints, with `extra` flags; the process runs in `dir`.
+pub fn polling_to_a_file(
+    dir: &Path,
+    url: &str,
+    name: &str,
+    out: &Path,
+    extra: &[&str],
+) -> RelayProcess {
+    let sink = format!("file:{}", out.display());
+    let mut args = vec![
+        "run",
+        "--database-url",
+        url,
+        "--sink",
+        &sink,
+        "--node-id",
+        name,
+        "--http-addr",
+        "",
+    ];
+    args.extend(extra);
+    RelayProcess::spawn(dir, name, &args, &[])
+}
+
 /// The arguments of `run` on the database at `url` to `sink`, then `extra`.
 pub fn run_args<'a>(url: &'a str, sink: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec!["run", "--database-url", url, "--sink", sink];
