@@ -544,6 +544,10 @@ pub enum ClaimMode {
     Capture,
     /// Per-key order through partition leases: claims that lease no row.
     Ordered,
+    /// A way this relay does not know, written by a newer one: ranked above every other, so
+    /// that an older node yields to it rather than relay beside it. (Read as ordered, it was
+    /// taken for this node's own way by an ordered node, which went on beside it.)
+    Newer,
 }
 
 impl ClaimMode {
@@ -553,16 +557,19 @@ impl ClaimMode {
             ClaimMode::Unordered => "unordered",
             ClaimMode::Capture => "capture",
             ClaimMode::Ordered => "ordered",
+            ClaimMode::Newer => "newer",
         }
     }
 
     /// A mode as the nodes table keeps it; `None` (no mode written: a node from before
-    /// modes, which says only whose partitions it takes) is ordered.
+    /// modes, which says only whose partitions it takes) is ordered, and a name this relay
+    /// does not know is [`ClaimMode::Newer`].
     pub fn from_stored(stored: Option<&str>) -> Self {
         match stored {
             Some("unordered") => ClaimMode::Unordered,
             Some("capture") => ClaimMode::Capture,
-            _ => ClaimMode::Ordered,
+            Some("ordered") | None => ClaimMode::Ordered,
+            Some(_) => ClaimMode::Newer,
         }
     }
 
@@ -572,6 +579,9 @@ impl ClaimMode {
             ClaimMode::Unordered => "unordered (--ordering none)",
             ClaimMode::Capture => "WAL capture (--capture wal)",
             ClaimMode::Ordered => "ordered (polling, --ordering key)",
+            ClaimMode::Newer => {
+                "a way this relay does not know (a newer relay's: upgrade this one)"
+            }
         }
     }
 }
@@ -842,5 +852,18 @@ mod tests {
         assert!(e.is_retryable());
         assert!(e.hint().contains("SHOW PROCESSLIST"), "{}", e.hint());
         assert!(e.to_string().contains("within 30s"), "{e}");
+    }
+
+    /// A way a newer relay writes is ranked above every known one, so an older node yields
+    /// to it: read as ordered, an ordered node took it for its own way and went on beside
+    /// it. No way written is a node from before the ways: ordered.
+    #[test]
+    fn a_way_this_relay_does_not_know_ranks_above_its_own() {
+        assert_eq!(ClaimMode::from_stored(Some("sharded")), ClaimMode::Newer);
+        assert_eq!(ClaimMode::from_stored(None), ClaimMode::Ordered);
+        for known in [ClaimMode::Unordered, ClaimMode::Capture, ClaimMode::Ordered] {
+            assert_eq!(ClaimMode::from_stored(Some(known.as_str())), known);
+            assert!(ClaimMode::Newer > known);
+        }
     }
 }
