@@ -628,9 +628,30 @@ impl Keeper {
         };
         // The count the node started with, which its claims and lanes hash keys by.
         let count = p.ownership.count();
+        if !self.other_counts.is_empty() && self.behind_the_table(p, count).await {
+            return false;
+        }
         let handing_over = balance(p, &self.config, count, &live, &self.other_counts).await;
         self.count_unowned(count);
         handing_over
+    }
+
+    /// Whether this node, splitting keys by `count`, is the one behind the partitions
+    /// table, asked when a node of another count is live: then it halts now. Which of the
+    /// two is behind, only the table says; the round's count for the gauges finds it too,
+    /// but this node had first told its log that it waits for the other to stop.
+    async fn behind_the_table(&self, p: &Partitions, count: u32) -> bool {
+        let Ok(partitions) = p.registry.partitions().await else {
+            return false;
+        };
+        let numbers: Vec<i32> = partitions.iter().map(|p| p.partition).collect();
+        match partitions_changed(count, &numbers) {
+            Some(reason) => {
+                halt_once(&self.halt, Halt::runtime(reason));
+                true
+            }
+            None => false,
+        }
     }
 
     /// Counts the partitions no node holds, for the gauges: once per heartbeat interval, not

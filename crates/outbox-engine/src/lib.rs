@@ -821,10 +821,11 @@ impl Engine {
             )
         });
         if !self.ownership_seen.holds_none {
+            let failed: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
             self.publish_streaks.batch(
                 group,
                 !acked.is_empty(),
-                streak_error,
+                (streak_error, &failed),
                 std::time::Instant::now(),
             );
         }

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use outbox_core::PublishErrorKind;
+use outbox_core::{PublishErrorKind, SequenceId};
 
 /// What a failed publish spends of its event's attempts (`retry.max_attempts`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -40,6 +40,10 @@ struct Streak {
     since: Instant,
     last: Instant,
     error: String,
+    /// The first event whose failure the streak holds, and whether another one failed in
+    /// it too: one event failing alone is no evidence against its destination.
+    first_failed: Option<SequenceId>,
+    several_failed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -49,9 +53,16 @@ pub struct PublishStreaks {
 
 impl PublishStreaks {
     /// A batch of `group` came back at `now`: an event confirmed ends the group's streak;
-    /// else a failure to retry (`error`) starts it or carries it on. Dead letters are their
-    /// events' own fault, not the sink's: a batch of them alone says nothing.
-    pub fn batch(&mut self, group: u64, confirmed: bool, error: Option<String>, now: Instant) {
+    /// else a failure to retry (`error`, of the events `failed`) starts it or carries it
+    /// on. Dead letters are their events' own fault, not the sink's: a batch of them alone
+    /// says nothing.
+    pub fn batch(
+        &mut self,
+        group: u64,
+        confirmed: bool,
+        (error, failed): (Option<String>, &[SequenceId]),
+        now: Instant,
+    ) {
         if confirmed {
             self.groups.remove(&group);
         } else if let Some(error) = error {
@@ -59,9 +70,18 @@ impl PublishStreaks {
                 since: now,
                 last: now,
                 error: String::new(),
+                first_failed: None,
+                several_failed: false,
             });
             streak.last = now;
             streak.error = error;
+            for id in failed {
+                match streak.first_failed {
+                    None => streak.first_failed = Some(*id),
+                    Some(first) if first != *id => streak.several_failed = true,
+                    Some(_) => {}
+                }
+            }
         }
     }
 
@@ -75,11 +95,13 @@ impl PublishStreaks {
     /// A later one spends nothing when the failure is the destination's condition
     /// ([`PublishErrorKind::is_the_destinations_condition`]), no event of the batch was
     /// confirmed, and an earlier batch began a streak that a failure continued within
-    /// `recent`: the destination is down, and counting there dead-lettered, after the
-    /// retries' hour, every event that would have gone out once it came back. The batch
-    /// that begins a streak counts. A poison event beside working ones counts each time,
-    /// since their confirmations end the streak between its tries; alone in its group, it
-    /// waits, its streak failing `/readyz`, until another event of the group is confirmed.
+    /// `recent`, in which more than one event failed: the destination is down, and
+    /// counting there dead-lettered, after the retries' hour, every event that would have
+    /// gone out once it came back. The batch that begins a streak counts. A poison event
+    /// beside working ones counts each time, since their confirmations end the streak
+    /// between its tries; one failing alone in its group counts too (a receiver that
+    /// answers 503 to that event alone, on a quiet system, kept it for good), as does
+    /// an only event waiting through an outage, as before.
     pub fn attempt(
         &self,
         group: u64,
@@ -91,7 +113,10 @@ impl PublishStreaks {
             return Attempt::Counted;
         }
         match self.groups.get(&group) {
-            Some(streak) if now.saturating_duration_since(streak.last) <= recent => {
+            Some(streak)
+                if streak.several_failed
+                    && now.saturating_duration_since(streak.last) <= recent =>
+            {
                 Attempt::InOutage {
                     lasted: now.saturating_duration_since(streak.since),
                 }
@@ -134,12 +159,12 @@ mod tests {
     fn a_working_group_does_not_hide_a_failing_one() {
         let t0 = Instant::now();
         let mut streaks = PublishStreaks::default();
-        streaks.batch(1, false, Some("stream not found".into()), t0);
+        streaks.batch(1, false, (Some("stream not found".into()), &[1, 2]), t0);
         for s in 1..=40 {
             let now = t0 + Duration::from_secs(s);
-            streaks.batch(2, true, None, now);
+            streaks.batch(2, true, (None, &[]), now);
             if s % 5 == 0 {
-                streaks.batch(1, false, Some("stream not found".into()), now);
+                streaks.batch(1, false, (Some("stream not found".into()), &[1, 2]), now);
             }
         }
         let now = t0 + Duration::from_secs(40);
@@ -147,7 +172,7 @@ mod tests {
             streaks.oldest(now, RECENT),
             Some((t0, "stream not found".to_string()))
         );
-        streaks.batch(1, true, None, now);
+        streaks.batch(1, true, (None, &[]), now);
         assert_eq!(streaks.oldest(now, RECENT), None);
     }
 
@@ -157,12 +182,17 @@ mod tests {
     fn the_oldest_streak_is_reported_with_its_latest_error() {
         let t0 = Instant::now();
         let mut streaks = PublishStreaks::default();
-        streaks.batch(1, false, Some("a".into()), t0);
-        streaks.batch(2, false, Some("b".into()), t0 + Duration::from_secs(1));
+        streaks.batch(1, false, (Some("a".into()), &[1, 2]), t0);
+        streaks.batch(
+            2,
+            false,
+            (Some("b".into()), &[1, 2]),
+            t0 + Duration::from_secs(1),
+        );
         streaks.batch(
             1,
             false,
-            Some("a again".into()),
+            (Some("a again".into()), &[1, 2]),
             t0 + Duration::from_secs(2),
         );
         let now = t0 + Duration::from_secs(3);
@@ -170,7 +200,7 @@ mod tests {
             streaks.oldest(now, RECENT),
             Some((t0, "a again".to_string()))
         );
-        streaks.batch(1, true, None, now);
+        streaks.batch(1, true, (None, &[]), now);
         assert_eq!(
             streaks.oldest(now, RECENT),
             Some((t0 + Duration::from_secs(1), "b".to_string()))
@@ -191,7 +221,7 @@ mod tests {
             streaks.attempt(1, (false, DOWN, 1), t0, RECENT),
             Attempt::Counted
         );
-        streaks.batch(1, false, Some("refused".into()), t0);
+        streaks.batch(1, false, (Some("refused".into()), &[1, 2]), t0);
         // Two hours of retries, one every 30 s: none spends an attempt.
         for s in (30..7200).step_by(30) {
             let now = t0 + Duration::from_secs(s);
@@ -201,10 +231,10 @@ mod tests {
                     lasted: Duration::from_secs(s)
                 }
             );
-            streaks.batch(1, false, Some("refused".into()), now);
+            streaks.batch(1, false, (Some("refused".into()), &[1, 2]), now);
         }
         let back = t0 + Duration::from_secs(7200);
-        streaks.batch(1, true, None, back);
+        streaks.batch(1, true, (None, &[]), back);
         assert_eq!(
             streaks.attempt(1, (false, DOWN, 1), back + Duration::from_secs(1), RECENT),
             Attempt::Counted
@@ -222,7 +252,7 @@ mod tests {
             streaks.attempt(1, (false, DOWN, 1), t0, RECENT),
             Attempt::Counted
         );
-        streaks.batch(1, false, Some("timeout".into()), t0);
+        streaks.batch(1, false, (Some("timeout".into()), &[1, 2]), t0);
         let second = t0 + Duration::from_millis(5);
         assert!(matches!(
             streaks.attempt(1, (false, DOWN, 1), second, RECENT),
@@ -247,9 +277,34 @@ mod tests {
                 Attempt::Counted,
                 "try {attempt}"
             );
-            streaks.batch(1, false, Some("timeout".into()), tried);
-            streaks.batch(1, true, None, tried + Duration::from_secs(1));
+            streaks.batch(1, false, (Some("timeout".into()), &[1, 2]), tried);
+            streaks.batch(1, true, (None, &[]), tried + Duration::from_secs(1));
         }
+    }
+
+    /// One event failing alone, on a quiet system (a receiver that answers 503 to it alone,
+    /// no other event to confirm): no evidence against its destination, so each failure
+    /// counts, and it is dead-lettered as before. It waited for good when any streak
+    /// spared it. A second event failing in the streak makes it an outage.
+    #[test]
+    fn a_lone_failing_event_spends_its_attempts() {
+        let t0 = Instant::now();
+        let mut streaks = PublishStreaks::default();
+        for s in 0..20u64 {
+            let now = t0 + Duration::from_secs(s);
+            assert_eq!(
+                streaks.attempt(1, (false, DOWN, 1), now, RECENT),
+                Attempt::Counted,
+                "try {s}"
+            );
+            streaks.batch(1, false, (Some("503".into()), &[7]), now);
+        }
+        let now = t0 + Duration::from_secs(20);
+        streaks.batch(1, false, (Some("503".into()), &[8]), now);
+        assert!(matches!(
+            streaks.attempt(1, (false, DOWN, 1), now, RECENT),
+            Attempt::InOutage { .. }
+        ));
     }
 
     /// A failure that may be the event's own (an HTTP 500, a missing route) counts even in
@@ -258,7 +313,7 @@ mod tests {
     fn only_the_destinations_condition_in_its_own_group_is_spared() {
         let t0 = Instant::now();
         let mut streaks = PublishStreaks::default();
-        streaks.batch(1, false, Some("refused".into()), t0);
+        streaks.batch(1, false, (Some("refused".into()), &[1, 2]), t0);
         let now = t0 + Duration::from_secs(5);
         for kind in [
             PublishErrorKind::BrokerFailure,
@@ -299,7 +354,7 @@ mod tests {
     fn a_first_failure_counts_even_in_an_outage() {
         let t0 = Instant::now();
         let mut streaks = PublishStreaks::default();
-        streaks.batch(1, false, Some("refused".into()), t0);
+        streaks.batch(1, false, (Some("refused".into()), &[1, 2]), t0);
         let now = t0 + Duration::from_secs(5);
         let first = streaks.attempt(1, (false, DOWN, 0), now, RECENT);
         assert_eq!(first, Attempt::Counted);
@@ -316,7 +371,7 @@ mod tests {
     fn a_stale_streak_spares_nothing() {
         let t0 = Instant::now();
         let mut streaks = PublishStreaks::default();
-        streaks.batch(1, false, Some("refused".into()), t0);
+        streaks.batch(1, false, (Some("refused".into()), &[1, 2]), t0);
         let later = t0 + RECENT + Duration::from_secs(1);
         assert_eq!(
             streaks.attempt(1, (false, DOWN, 1), later, RECENT),
@@ -331,8 +386,8 @@ mod tests {
     fn a_streak_no_retry_continued_is_forgotten() {
         let t0 = Instant::now();
         let mut streaks = PublishStreaks::default();
-        streaks.batch(1, false, Some("503".into()), t0);
-        streaks.batch(1, false, None, t0 + Duration::from_secs(10));
+        streaks.batch(1, false, (Some("503".into()), &[1, 2]), t0);
+        streaks.batch(1, false, (None, &[]), t0 + Duration::from_secs(10));
         assert!(streaks.oldest(t0 + RECENT, RECENT).is_some());
         assert!(streaks
             .oldest(t0 + RECENT + Duration::from_secs(1), RECENT)

@@ -562,3 +562,86 @@ target = "orders"
         String::from_utf8_lossy(&dead.stdout)
     );
 }
+
+/// A receiver that answers 503 to one event alone, on an otherwise quiet relay: the only
+/// failures its group sees are that event's, which is no evidence against the receiver, so
+/// each counts and the event is dead-lettered at its attempts. Any streak spared it, and it
+/// was retried for good, `/readyz` calling the receiver down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_a_receiver_alone_refuses_is_dead_lettered_on_a_quiet_relay() {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let receiver = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Some((_, body)) = crate::support::read_http_request(&mut socket).await else {
+                    return;
+                };
+                let status = match String::from_utf8_lossy(&body).contains("poison") {
+                    true => "503 Service Unavailable",
+                    false => "204 No Content",
+                };
+                let answer =
+                    format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                let _ = socket.write_all(answer.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("outbox-relay.toml"),
+        format!(
+            r#"
+database_url = "sqlite:o.db"
+http_addr = "127.0.0.1:0"
+log_format = "json"
+[retry]
+base_delay = "20ms"
+max_delay = "100ms"
+max_attempts = 3
+[sinks.hook]
+uri = "http://{receiver}/hook"
+[[routes]]
+destinations = "*"
+sink = "hook"
+"#
+        ),
+    )
+    .unwrap();
+    for (key, payload) in [("a", r#"{"ok": true}"#), ("b", r#"{"poison": true}"#)] {
+        let out = relay(
+            d,
+            &["send", "--destination", "orders", "--key", key, payload],
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut relay_process = RelayProcess::spawn(d, "relay", &["run"], &[]);
+    let addr = crate::support::http_addr(&relay_process).await;
+    outbox_testkit::eventually_explained(
+        "the refused event dead-lettered",
+        Duration::from_secs(60),
+        || relay_process.logs(),
+        || {
+            let addr = addr.clone();
+            async move {
+                let metrics = get(&addr, "/metrics").await?.1;
+                metrics
+                    .contains("outbox_events_dead_lettered_total{destination=\"orders\"} 1")
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    let status = relay_process.terminate().await;
+    assert!(status.success(), "{status:?}");
+    let dead = relay(d, &["dead", "list", "--json"]);
+    let listed = String::from_utf8_lossy(&dead.stdout);
+    assert!(listed.contains("\"attempts\":3"), "{listed}");
+}
