@@ -146,8 +146,17 @@ const SECRET_NAMES: &[&str] = &[
     "key",
     "auth",
     "sig",
-    "credential",
+    "cred",
+    "bearer",
+    "hmac",
+    "jwt",
+    "sessionid",
+    "session_id",
 ];
+
+/// Names that are secrets only whole: as parts they are in ordinary names
+/// (`target_session_attrs`, `inside`).
+const SECRET_WHOLE_NAMES: &[&str] = &["session", "sid", "pw", "otp"];
 
 /// Characters that end a URL quoted in a message.
 fn ends_url(c: char) -> bool {
@@ -181,11 +190,59 @@ fn looks_like_token(value: &str) -> bool {
 ///   a known webhook host's, or one with a segment that looks like a token;
 /// - the value of every parameter whose name looks secret (`?password=***`,
 ///   `&access_token=***`, and `password=***` in a key-value connection string), and of every
-///   query parameter whose value looks like a token (`?code=***`).
+///   query parameter whose value looks like a token (`?code=***`);
+/// - the credential after an HTTP authorization scheme (`Basic ***`, `Bearer ***`), in
+///   whatever form a receiver echoes a request's header (`Authorization: Basic …`,
+///   `"authorization":"Basic …"`, `auth=Basic …`).
 ///
 /// Text without secrets comes back unchanged.
 pub fn redact_url(text: &str) -> String {
-    redact_parameters(&redact_user_info(text))
+    // The schemes first: a parameter's value ends at a space, so `auth=Basic X` hid only
+    // the scheme's name.
+    redact_parameters(&redact_auth_schemes(&redact_user_info(text)))
+}
+
+/// The HTTP authorization schemes whose credential follows the scheme's name and a space.
+const AUTH_SCHEMES: &[&str] = &["basic", "bearer"];
+
+/// A credential's characters (base64, base64url, a JWT's dots, an opaque token's).
+fn credential_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '+' | '/' | '=' | '-' | '_' | '.' | '~')
+}
+
+/// Hides the credential after each `Basic ` or `Bearer ` (any case, a word of its own):
+/// a run of at least 8 credential characters. A shorter word after the scheme's name is
+/// prose ("basic auth failed").
+fn redact_auth_schemes(text: &str) -> String {
+    let lower = text.to_ascii_lowercase();
+    let mut out = String::with_capacity(text.len());
+    let mut copied = 0;
+    let mut from = 0;
+    while let Some((at, scheme)) = AUTH_SCHEMES
+        .iter()
+        .filter_map(|s| lower[from..].find(s).map(|i| (from + i, *s)))
+        .min()
+    {
+        from = at + scheme.len();
+        let word_start = at == 0 || !text[..at].ends_with(|c: char| c.is_ascii_alphanumeric());
+        let spaces = text[from..].len() - text[from..].trim_start_matches([' ', '\t']).len();
+        if !word_start || spaces == 0 {
+            continue;
+        }
+        let credential_start = from + spaces;
+        let length = text[credential_start..]
+            .find(|c: char| !credential_char(c))
+            .unwrap_or(text.len() - credential_start);
+        if length < 8 {
+            continue;
+        }
+        out.push_str(&text[copied..credential_start]);
+        out.push_str("***");
+        copied = credential_start + length;
+        from = copied;
+    }
+    out.push_str(&text[copied..]);
+    out
 }
 
 /// Where a URL's user info ends: the index of its closing `@` in `after_scheme` (the text
@@ -318,7 +375,9 @@ fn redact_parameters(text: &str) -> String {
         let in_query = matches!(rest[..name_start].chars().last(), Some('?' | '&'));
         out.push_str(&rest[..=eq]);
         rest = &rest[eq + 1..];
-        let secret_name = !name.is_empty() && SECRET_NAMES.iter().any(|s| name.contains(s));
+        let secret_name = !name.is_empty()
+            && (SECRET_NAMES.iter().any(|s| name.contains(s))
+                || SECRET_WHOLE_NAMES.contains(&name.as_str()));
         let value_end = match (secret_name, in_query, rest.strip_prefix('\'')) {
             // tokio-postgres reads a query parameter's value up to the next `&`: a `;`, `#`,
             // quote or `<` is part of the password. (Whitespace still ends it, for a URL
@@ -357,6 +416,57 @@ fn redact_parameters(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::redact_url;
+
+    /// Names that say a secret, with values a person chose (no digits, so not taken for a
+    /// token by their look): `bearer=`, `hmac=` and the rest were shown as given.
+    #[test]
+    fn more_secret_names_are_hidden_whatever_their_values_look_like() {
+        for name in [
+            "bearer",
+            "hmac",
+            "jwt",
+            "session",
+            "sessionid",
+            "sid",
+            "cred",
+            "pw",
+            "otp",
+        ] {
+            let url = format!("http://h/p?{name}=correcthorsebatterystaple&x=1");
+            assert_eq!(redact_url(&url), format!("http://h/p?{name}=***&x=1"));
+        }
+        let kept = "postgres://h/db?target_session_attrs=read-write";
+        assert_eq!(redact_url(kept), kept);
+    }
+
+    /// A receiver that echoes the request's Authorization header in its error put the
+    /// webhook URL's password, as Basic's base64, in `last_error`, the log and the API: the
+    /// credential after `Basic` or `Bearer` is hidden in every form a body gives it, and
+    /// prose after the word is kept.
+    #[test]
+    fn a_credential_after_an_authorization_scheme_is_hidden() {
+        for (echoed, shown) in [
+            (
+                "ERR auth=Basic aG9va3VzZXI6SE9PS1BBU1NzM2NyM3Q=",
+                "ERR auth=*** ***",
+            ),
+            (
+                "Authorization: Basic aG9va3VzZXI6SE9PS1BBU1NzM2NyM3Q= refused",
+                "Authorization: Basic *** refused",
+            ),
+            (
+                r#"{"authorization":"Bearer eyJhbGciOi.eyJzdWIi.SflKxw"}"#,
+                r#"{"authorization":"Bearer ***"}"#,
+            ),
+            ("basic auth failed", "basic auth failed"),
+            ("a basicallyfine word", "a basicallyfine word"),
+        ] {
+            let redacted = redact_url(echoed);
+            assert!(!redacted.contains("aG9va3VzZXI6"), "{redacted}");
+            assert!(!redacted.contains("SflKxw"), "{redacted}");
+            assert_eq!(redacted, shown);
+        }
+    }
 
     /// tokio-postgres decodes a parameter's name: `p%61ssword=` sets the password, so it is
     /// redacted as one.

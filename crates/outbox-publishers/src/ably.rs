@@ -46,6 +46,8 @@ pub struct AblySink {
     client: reqwest::Client,
     rest_url: String,
     authorization: Arc<String>,
+    /// The API key, scrubbed from what Ably answers.
+    secrets: Arc<crate::http::KnownSecrets>,
 }
 
 /// The relay's own variable for the API key (after ABLY_API_KEY).
@@ -127,6 +129,10 @@ pub fn message(event: &Event) -> Value {
 impl AblySink {
     pub fn new(uri: &str, config: &AblyConfig) -> Result<Self, SinkSetupError> {
         let key = api_key(uri, config)?;
+        let secret = key.split_once(':').map(|(_, secret)| secret.to_string());
+        let secrets = Arc::new(crate::http::KnownSecrets::new(
+            [Some(key.clone()), secret].into_iter().flatten(),
+        ));
         let authorization = format!(
             "Basic {}",
             base64::engine::general_purpose::STANDARD.encode(key)
@@ -140,6 +146,7 @@ impl AblySink {
                 .trim_end_matches('/')
                 .to_string(),
             authorization: Arc::new(authorization),
+            secrets,
         })
     }
 }
@@ -171,13 +178,14 @@ impl Sink for AblySink {
                     .header("x-ably-version", "2")
                     .body(message(&routed.event).to_string());
                 let what = format!("Ably channel {:?}", routed.target);
+                let secrets = self.secrets.clone();
                 async move {
                     let response = request
                         .send()
                         .await
                         .map_err(|e| crate::http::transport_error(e, &what))?;
                     // Ably's error code 40009 means "message too large", whatever the status.
-                    crate::http::response_outcome(response, &what, |body| {
+                    crate::http::response_outcome(response, &what, &secrets, |body| {
                         let code = serde_json::from_str::<Value>(body)
                             .ok()
                             .and_then(|v| v["error"]["code"].as_u64());

@@ -126,10 +126,71 @@ pub fn outcome(
     Err(error)
 }
 
-/// Turns a response into an outcome; `special` may claim a failure first from the body.
+/// The secret values a sink sends (a URL's password, the Basic credential made of it, a
+/// signing secret, an API key), to scrub from what a receiver answers: one that echoed the
+/// request's password in an error put it in `last_error`, the log and the API, where
+/// [`outbox_core::redact::redact_url`] cannot know it for one.
+#[derive(Clone, Debug, Default)]
+pub struct KnownSecrets(Vec<String>);
+
+impl KnownSecrets {
+    /// The shortest value scrubbed: a shorter one would hide common words.
+    const SHORTEST: usize = 4;
+
+    /// `values`, and each one's base64 (padded or not), longest first.
+    pub fn new(values: impl IntoIterator<Item = String>) -> Self {
+        use base64::Engine;
+        let mut all = Vec::new();
+        for value in values.into_iter().filter(|v| v.len() >= Self::SHORTEST) {
+            let encoded = base64::engine::general_purpose::STANDARD.encode(&value);
+            all.push(encoded.trim_end_matches('=').to_string());
+            all.push(encoded);
+            all.push(value);
+        }
+        all.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        all.dedup();
+        KnownSecrets(all)
+    }
+
+    /// The secrets of a URL's user info: its password as written and percent-decoded, and
+    /// `user:password` as HTTP Basic sends it (decoded), whose base64 [`new`](Self::new)
+    /// adds.
+    pub fn of_user_info(url: &str) -> Vec<String> {
+        let Some((_, after_scheme)) = url.split_once("://") else {
+            return Vec::new();
+        };
+        let Some(at) = outbox_core::redact::user_info_end(after_scheme) else {
+            return Vec::new();
+        };
+        let decoded = outbox_core::redact::url_decoded;
+        match after_scheme[..at].split_once(':') {
+            Some((user, password)) => vec![
+                password.to_string(),
+                decoded(password),
+                format!("{}:{}", decoded(user), decoded(password)),
+            ],
+            None => vec![after_scheme[..at].to_string(), decoded(&after_scheme[..at])],
+        }
+    }
+
+    /// `text` with every known secret replaced by `***`.
+    pub fn scrub(&self, text: &str) -> String {
+        let mut text = text.to_string();
+        for secret in &self.0 {
+            if text.contains(secret.as_str()) {
+                text = text.replace(secret.as_str(), "***");
+            }
+        }
+        text
+    }
+}
+
+/// Turns a response into an outcome; `special` may claim a failure first from the body,
+/// which is quoted with the sink's `secrets` scrubbed.
 pub async fn response_outcome(
     response: reqwest::Response,
     what: &str,
+    secrets: &KnownSecrets,
     special: impl Fn(&str) -> Option<PublishError>,
 ) -> Result<(), PublishError> {
     let status = response.status();
@@ -146,7 +207,7 @@ pub async fn response_outcome(
         .get("location")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    let body = bounded_text(response, ERROR_BODY_LIMIT).await;
+    let body = secrets.scrub(&bounded_text(response, ERROR_BODY_LIMIT).await);
     if let Some(error) = special(&body) {
         return Err(error);
     }

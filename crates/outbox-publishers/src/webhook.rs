@@ -50,6 +50,8 @@ pub struct WebhookSink {
     origin: Option<reqwest::Url>,
     shown: String,
     key: Option<Arc<Vec<u8>>>,
+    /// The URL's password and the signing secret, scrubbed from what receivers answer.
+    secrets: Arc<crate::http::KnownSecrets>,
     per_destination: usize,
     /// The sink's timeout, for one request: requests wait at most half of it to start.
     timeout: Duration,
@@ -149,6 +151,9 @@ impl WebhookSink {
             Some(s) => Some(s.expose().to_string()),
             None => std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty()),
         };
+        let mut known = crate::http::KnownSecrets::of_user_info(uri);
+        known.extend(secret.clone());
+        let secrets = Arc::new(crate::http::KnownSecrets::new(known));
         let key = secret
             .map(|s| decode_secret(&s).map(Arc::new))
             .transpose()
@@ -166,6 +171,7 @@ impl WebhookSink {
             origin,
             shown,
             key,
+            secrets,
             per_destination: config.concurrency.unwrap_or(DEFAULT_CONCURRENCY),
             timeout: config.timeout.get(),
             limits: Arc::default(),
@@ -205,6 +211,7 @@ impl Sink for WebhookSink {
                 let client = self.client.clone();
                 let url = self.url.render_with(&routed.event, url_escape);
                 let key = self.key.clone();
+                let secrets = self.secrets.clone();
                 let limit = self.limit_for(&routed.event.destination);
                 let shown = shown.clone();
                 async move {
@@ -268,7 +275,7 @@ impl Sink for WebhookSink {
                         .send()
                         .await
                         .map_err(|e| crate::http::transport_error(e, &what))?;
-                    crate::http::response_outcome(response, &what, |_| None).await
+                    crate::http::response_outcome(response, &what, &secrets, |_| None).await
                 }
             })
             .collect();

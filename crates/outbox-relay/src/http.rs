@@ -915,6 +915,15 @@ async fn forward_to(state: &SharedState, name: &str, rest: &str, request: Reques
         return no_such_outbox(state, name);
     };
     let Some(served) = slot.served() else {
+        // The outbox's console checks the token once it runs; until then, here: a route
+        // of its API answered without it, if only that the outbox was starting.
+        let token = state
+            .token
+            .as_ref()
+            .map(outbox_core::redact::Secret::expose);
+        if let Err(refused) = crate::admin::authorize(token, request.method(), request.headers()) {
+            return refused;
+        }
         return refuse(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("outbox {name} is starting (waiting for its database or sinks; see the log)"),

@@ -674,3 +674,53 @@ async fn a_refusal_with_an_endless_body_is_answered_without_reading_it_all() {
     );
     assert!(error.to_string().contains("503"), "{error}");
 }
+
+/// A receiver whose error echoes what it was sent: the Authorization header (HTTP Basic,
+/// made of the URL's password), the password itself, and the signing secret. The sink's
+/// error, which becomes `last_error`, the log line and the API's answer, carried the
+/// password (as base64, and as written). Every secret the sink sends is scrubbed from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_echoes_the_credentials_gets_none_into_the_error() {
+    outbox_testkit::install_crypto();
+    async fn echo(headers: HeaderMap) -> Response {
+        let auth = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        let body = format!(
+            "ERR auth={auth}; Authorization: {auth}; you sent password HOOKPASSs3cr3t, creds \
+             hookuser:HOOKPASSs3cr3t, secret {SECRET}"
+        );
+        (StatusCode::BAD_REQUEST, body).into_response()
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().route("/hooks/{*rest}", post(echo));
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let config = read_config(json!({
+        "uri": format!("http://hookuser:HOOKPASSs3cr3t@{addr}/hooks/{{destination}}"),
+        "secret": SECRET,
+    }));
+    let sink = outbox_publishers::build_sink("hooks", &config)
+        .await
+        .unwrap();
+    let err = sink
+        .send(vec![Routed {
+            cloudevents: None,
+            event: event(1, "k", b"{}".to_vec()),
+            target: String::new(),
+        }])
+        .await
+        .remove(0)
+        .expect_err("the receiver refuses");
+    let said = err.report();
+    for secret in [
+        "HOOKPASSs3cr3t",
+        "aG9va3VzZXI6SE9PS1BBU1NzM2NyM3Q",
+        &SECRET["whsec_".len()..],
+    ] {
+        assert!(!said.contains(secret), "{said}");
+    }
+    assert!(said.contains("ERR auth="), "{said}");
+}

@@ -691,3 +691,50 @@ sink = "file:billing.jsonl"
     }
     assert!(process.terminate().await.success(), "{}", process.logs());
 }
+
+/// An outbox still starting (its database unreachable) answered its API's routes without
+/// the token, if only to say that it was starting: the token is asked for first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_still_starting_asks_for_the_token_before_saying_so() {
+    outbox_testkit::install_crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let token = "outboxes-test-token-0123456789";
+    let closed = outbox_testkit::server::free_port();
+    std::fs::write(
+        d.join("outbox-relay.toml"),
+        format!(
+            r#"
+http_addr = "127.0.0.1:0"
+log_format = "json"
+
+[[outboxes]]
+name = "orders"
+database_url = "sqlite:orders.db"
+sink = "file:orders.jsonl"
+
+[[outboxes]]
+name = "billing"
+database_url = "postgres://relay@127.0.0.1:{closed}/app"
+sink = "file:billing.jsonl"
+"#
+        ),
+    )
+    .unwrap();
+    let mut process =
+        RelayProcess::spawn(d, "relay", &["run"], &[("OUTBOX_RELAY_ADMIN_TOKEN", token)]);
+    let addr = http_addr(&process).await;
+    let ask = |path: &'static str, headers: String| {
+        let head =
+            format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}Connection: close\r\n\r\n");
+        let addr = addr.clone();
+        async move { support::http_exchange(&addr, &head).await }
+    };
+    let path = "/outboxes/billing/api/v1/status";
+    let (code, body) = ask(path, String::new()).await;
+    assert_eq!(code, 401, "{body}");
+    let (code, body) = ask(path, format!("Authorization: Bearer {token}\r\n")).await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("outbox billing is starting"), "{body}");
+    assert!(process.terminate().await.success(), "{}", process.logs());
+}
