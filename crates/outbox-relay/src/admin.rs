@@ -259,7 +259,8 @@ fn metric_sum(text: &str, name: &str, outbox: Option<&str>) -> f64 {
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .filter(|v| v.is_finite())
-        .sum()
+        // An empty sum of floats is -0.0, which the API served as `-0.0`.
+        .fold(0.0, |sum, v| sum + v)
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -1175,6 +1176,9 @@ mod tests {
         assert_eq!(metric_sum(text, "outbox_events_published_total", None), 7.0);
         assert_eq!(metric_sum(text, "outbox_backlog_events", None), 7.0);
         assert_eq!(metric_sum(text, "outbox_dead_letter_events", None), 0.0);
+        // Served as JSON: `0.0`, never `-0.0` (an empty sum of floats is -0.0).
+        let none = metric_sum(text, "outbox_dead_letter_events", None);
+        assert_eq!(serde_json::json!(none).to_string(), "0.0");
     }
 
     /// Among several outboxes, a console's history is its own outbox's.

@@ -417,6 +417,15 @@ async fn check_host(
     mut request: Request,
     next: Next,
 ) -> Response {
+    // RFC 9112 §3.2: a request with more than one Host is answered 400. The first was
+    // checked, and a second named another host to whatever read that one.
+    if request.headers().get_all(header::HOST).iter().count() > 1 {
+        return (
+            StatusCode::BAD_REQUEST,
+            "a request may name one Host header\n",
+        )
+            .into_response();
+    }
     let host = request
         .headers()
         .get(header::HOST)

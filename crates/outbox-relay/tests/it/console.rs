@@ -1394,6 +1394,15 @@ async fn hosts_other_than_addresses_localhost_and_allowed_names_are_refused() {
         let (code, body) = ask("/api/v1/status", host).await;
         assert_eq!(code, 200, "{host}: {body}");
     }
+    // Two Host headers, the first allowed: answered 400 (RFC 9112), not by the first.
+    let twice = request(
+        "GET",
+        "/api/v1/status",
+        "127.0.0.1",
+        &format!("Host: evil.example\r\n{authorized}"),
+    );
+    let (code, body) = support::http_exchange(&addr, &twice).await;
+    assert_eq!(code, 400, "{body}");
     assert!(process.terminate().await.success());
 }
 
