@@ -411,16 +411,31 @@ pub(crate) async fn gate(State(gate): State<Gate>, request: Request, next: Next)
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|n| n > MAX_BODY as u64) {
-        return failure(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!(
-                "request bodies are limited to {} KiB; select dead letters by destination or \
-                 {{\"all\": true}} rather than by a long list of ids",
-                MAX_BODY / 1024
-            ),
-        );
+        return body_too_large();
     }
-    next.run(request).await
+    let response = next.run(request).await;
+    // A body that did not say its length (chunked) is stopped while read, with the body
+    // extractor's own plain text: answered as one that said it.
+    let json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"application/json"));
+    if response.status() == StatusCode::PAYLOAD_TOO_LARGE && !json {
+        return body_too_large();
+    }
+    response
+}
+
+/// The answer to a request body over [`MAX_BODY`].
+fn body_too_large() -> Response {
+    failure(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!(
+            "request bodies are limited to {} KiB; select dead letters by destination or \
+             {{\"all\": true}} rather than by a long list of ids",
+            MAX_BODY / 1024
+        ),
+    )
 }
 
 /// The dashboard's stylesheet (the shared server's index uses it too).
@@ -919,8 +934,13 @@ async fn dead_selector(c: &Console, body: &Bytes) -> Result<DeadSelector, Respon
     let bad = |m: &str| failure(StatusCode::BAD_REQUEST, format!("{m}; send {DEAD_BODY}"));
     match (b.ids, b.destination, b.all) {
         (Some(ids), None, false) => {
-            if ids.is_empty() || ids.iter().any(|i| *i <= 0) {
+            if ids.is_empty() {
                 return Err(bad("ids must be a non-empty list of sequence ids"));
+            }
+            if let Some(id) = ids.iter().find(|i| **i <= 0) {
+                return Err(bad(&format!(
+                    "ids are sequence ids, 1 or more: {id} is none"
+                )));
             }
             Ok(DeadSelector::Ids(ids))
         }

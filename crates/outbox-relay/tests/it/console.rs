@@ -1290,6 +1290,38 @@ async fn a_refused_request_is_answered_before_its_body_is_read() {
     let (code, body) = support::http_exchange(&addr, &head).await;
     assert_eq!(code, 413, "{body}");
     assert!(body.contains("64 KiB"), "{body}");
+    // One that does not say its length (chunked) is stopped while read, and answered the
+    // same way: it was the body reader's bare "length limit exceeded".
+    let chunk = format!(r#"{{"ids": [{}1]}}"#, "1, ".repeat(24_000));
+    let chunked = format!(
+        "{}{:x}\r\n{chunk}\r\n0\r\n\r\n",
+        request(
+            "POST",
+            retry,
+            &addr,
+            &format!(
+                "{authorized}Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+            )
+        ),
+        chunk.len()
+    );
+    let (code, body) = support::http_exchange(&addr, &chunked).await;
+    assert_eq!(code, 413, "{body}");
+    assert!(body.contains("64 KiB"), "{body}");
+    // Ids are sequence ids: a negative one is named.
+    let json = r#"{"ids": [-1]}"#;
+    let head = request(
+        "POST",
+        retry,
+        &addr,
+        &format!(
+            "{authorized}Content-Type: application/json\r\nContent-Length: {}\r\n",
+            json.len()
+        ),
+    );
+    let (code, body) = support::http_exchange(&addr, &format!("{head}{json}")).await;
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("-1 is none"), "{body}");
     // A small one is read.
     let json = r#"{"all": true}"#;
     let head = request(
