@@ -8,6 +8,10 @@
 //! when no retry has continued it for longer than the longest backoff and the grace (its
 //! events dead-lettered, or nothing left to send): a streak no retry continued says nothing
 //! of now.
+//!
+//! The same streaks say what a failure spends of its event's attempts
+//! ([`PublishStreaks::attempt`]): nothing while its destination is down, so that an outage
+//! longer than the retries dead-letters nothing.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
