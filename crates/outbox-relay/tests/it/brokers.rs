@@ -460,6 +460,22 @@ fn a_message_rabbitmq_returns_is_not_logged_with_its_body_or_headers() {
     }
 }
 
+/// A config file in `dir` for the SQLite store `o.db` with the HTTP endpoints and JSON logs,
+/// quick retries (`retry`: more top-level settings, then a `[retry]` table's), one sink
+/// (`sink`: its settings) and a route of every destination to it (`route`: more of its
+/// settings).
+fn write_one_sink(dir: &Path, retry: &str, sink: &str, route: &str) {
+    std::fs::write(
+        dir.join("outbox-relay.toml"),
+        format!(
+            "database_url = \"sqlite:o.db\"\nhttp_addr = \"127.0.0.1:0\"\nlog_format = \"json\"\n\
+             {retry}\nbase_delay = \"20ms\"\nmax_delay = \"100ms\"\n\
+             [sinks.one]\n{sink}[[routes]]\ndestinations = \"*\"\nsink = \"one\"\n{route}"
+        ),
+    )
+    .unwrap();
+}
+
 /// A broker away for longer than the retries last: the events wait, spending none of their
 /// attempts while it confirms nothing, and all go out once it is back. Every failure counted
 /// before, so an outage longer than the retries (about an hour at the defaults; here two
@@ -470,28 +486,12 @@ async fn an_outage_longer_than_the_retries_dead_letters_nothing() {
     let (_nats, deliveries, proxy, broker_url) = crate::support::nats_behind_a_proxy().await;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    std::fs::write(
-        d.join("outbox-relay.toml"),
-        format!(
-            r#"
-database_url = "sqlite:o.db"
-http_addr = "127.0.0.1:0"
-log_format = "json"
-publish_timeout = "1s"
-[retry]
-base_delay = "20ms"
-max_delay = "100ms"
-max_attempts = 2
-[sinks.nats]
-uri = "{broker_url}"
-[[routes]]
-destinations = "*"
-sink = "nats"
-target = "orders"
-"#
-        ),
-    )
-    .unwrap();
+    write_one_sink(
+        d,
+        "publish_timeout = \"1s\"\n[retry]\nmax_attempts = 2",
+        &format!("uri = \"{broker_url}\"\n"),
+        "target = \"orders\"\n",
+    );
     let send = |key: &str| {
         let out = relay(d, &["send", "--destination", "orders", "--key", key, "{}"]);
         assert!(
@@ -591,26 +591,12 @@ async fn an_event_a_receiver_alone_refuses_is_dead_lettered_on_a_quiet_relay() {
     });
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    std::fs::write(
-        d.join("outbox-relay.toml"),
-        format!(
-            r#"
-database_url = "sqlite:o.db"
-http_addr = "127.0.0.1:0"
-log_format = "json"
-[retry]
-base_delay = "20ms"
-max_delay = "100ms"
-max_attempts = 3
-[sinks.hook]
-uri = "http://{receiver}/hook"
-[[routes]]
-destinations = "*"
-sink = "hook"
-"#
-        ),
-    )
-    .unwrap();
+    write_one_sink(
+        d,
+        "[retry]\nmax_attempts = 3",
+        &format!("uri = \"http://{receiver}/hook\"\n"),
+        "",
+    );
     for (key, payload) in [("a", r#"{"ok": true}"#), ("b", r#"{"poison": true}"#)] {
         let out = relay(
             d,

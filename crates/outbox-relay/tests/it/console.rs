@@ -1308,32 +1308,25 @@ async fn a_refused_request_is_answered_before_its_body_is_read() {
     let (code, body) = support::http_exchange(&addr, &chunked).await;
     assert_eq!(code, 413, "{body}");
     assert!(body.contains("64 KiB"), "{body}");
+    let post = |json: &'static str| {
+        let head = request(
+            "POST",
+            retry,
+            &addr,
+            &format!(
+                "{authorized}Content-Type: application/json\r\nContent-Length: {}\r\n",
+                json.len()
+            ),
+        );
+        let addr = addr.clone();
+        async move { support::http_exchange(&addr, &format!("{head}{json}")).await }
+    };
     // Ids are sequence ids: a negative one is named.
-    let json = r#"{"ids": [-1]}"#;
-    let head = request(
-        "POST",
-        retry,
-        &addr,
-        &format!(
-            "{authorized}Content-Type: application/json\r\nContent-Length: {}\r\n",
-            json.len()
-        ),
-    );
-    let (code, body) = support::http_exchange(&addr, &format!("{head}{json}")).await;
+    let (code, body) = post(r#"{"ids": [-1]}"#).await;
     assert_eq!(code, 400, "{body}");
     assert!(body.contains("-1 is none"), "{body}");
     // A small one is read.
-    let json = r#"{"all": true}"#;
-    let head = request(
-        "POST",
-        retry,
-        &addr,
-        &format!(
-            "{authorized}Content-Type: application/json\r\nContent-Length: {}\r\n",
-            json.len()
-        ),
-    );
-    let (code, body) = support::http_exchange(&addr, &format!("{head}{json}")).await;
+    let (code, body) = post(r#"{"all": true}"#).await;
     assert_eq!(code, 200, "{body}");
     assert!(process.terminate().await.success());
 }
