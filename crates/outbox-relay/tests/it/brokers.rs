@@ -460,6 +460,21 @@ fn a_message_rabbitmq_returns_is_not_logged_with_its_body_or_headers() {
     }
 }
 
+/// Waits until the `/metrics` of `relay` (at `addr`) satisfies `done`.
+async fn until_metrics(relay: &RelayProcess, addr: &str, what: &str, done: impl Fn(&str) -> bool) {
+    let done = &done;
+    outbox_testkit::eventually_explained(
+        what,
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let addr = addr.to_string();
+            async move { done(&get(&addr, "/metrics").await?.1).then_some(()) }
+        },
+    )
+    .await;
+}
+
 /// A config file in `dir` for the SQLite store `o.db` with the HTTP endpoints and JSON logs,
 /// quick retries (`retry`: more top-level settings, then a `[retry]` table's), one sink
 /// (`sink`: its settings) and a route of every destination to it (`route`: more of its
@@ -523,18 +538,13 @@ async fn an_outage_longer_than_the_retries_dead_letters_nothing() {
         send(key);
     }
     // Ten retries an event, five times its attempts: the outage has outlasted them.
-    let retried = "outbox_events_retried_total";
-    outbox_testkit::eventually_explained(
+    until_metrics(
+        &relay_process,
+        &addr,
         "the events retried past their attempts",
-        Duration::from_secs(60),
-        || relay_process.logs(),
-        || {
-            let addr = addr.clone();
-            async move {
-                let metrics = get(&addr, "/metrics").await?.1;
-                let n = crate::support::metric_value(&metrics, retried)?;
-                (n >= 40.0).then_some(())
-            }
+        |m| {
+            crate::support::metric_value(m, "outbox_events_retried_total")
+                .is_some_and(|n| n >= 40.0)
         },
     )
     .await;
@@ -610,19 +620,11 @@ async fn an_event_a_receiver_alone_refuses_is_dead_lettered_on_a_quiet_relay() {
     }
     let mut relay_process = RelayProcess::spawn(d, "relay", &["run"], &[]);
     let addr = crate::support::http_addr(&relay_process).await;
-    outbox_testkit::eventually_explained(
+    until_metrics(
+        &relay_process,
+        &addr,
         "the refused event dead-lettered",
-        Duration::from_secs(60),
-        || relay_process.logs(),
-        || {
-            let addr = addr.clone();
-            async move {
-                let metrics = get(&addr, "/metrics").await?.1;
-                metrics
-                    .contains("outbox_events_dead_lettered_total{destination=\"orders\"} 1")
-                    .then_some(())
-            }
-        },
+        |m| m.contains("outbox_events_dead_lettered_total{destination=\"orders\"} 1"),
     )
     .await;
     let status = relay_process.terminate().await;
