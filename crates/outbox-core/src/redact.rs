@@ -210,6 +210,15 @@ fn credential_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '+' | '/' | '=' | '-' | '_' | '.' | '~')
 }
 
+/// Whether a word after `Basic` or `Bearer` is a credential, not prose ("Basic
+/// authentication required"): 8 characters or more, with a digit, a `+`, `/` or `=`, or a
+/// capital after its first letter (base64 and tokens have them; words rarely do).
+fn looks_like_credential(word: &str) -> bool {
+    word.len() >= 8
+        && (word.contains(|c: char| c.is_ascii_digit() || matches!(c, '+' | '/' | '='))
+            || word.chars().skip(1).any(|c| c.is_ascii_uppercase()))
+}
+
 /// Hides the credential after each `Basic ` or `Bearer ` (any case, a word of its own):
 /// a run of at least 8 credential characters. A shorter word after the scheme's name is
 /// prose ("basic auth failed").
@@ -233,7 +242,7 @@ fn redact_auth_schemes(text: &str) -> String {
         let length = text[credential_start..]
             .find(|c: char| !credential_char(c))
             .unwrap_or(text.len() - credential_start);
-        if length < 8 {
+        if !looks_like_credential(&text[credential_start..credential_start + length]) {
             continue;
         }
         out.push_str(&text[copied..credential_start]);
@@ -459,6 +468,10 @@ mod tests {
                 r#"{"authorization":"Bearer ***"}"#,
             ),
             ("basic auth failed", "basic auth failed"),
+            (
+                "HTTP Basic authentication required; Bearer credentials expected",
+                "HTTP Basic authentication required; Bearer credentials expected",
+            ),
             ("a basicallyfine word", "a basicallyfine word"),
         ] {
             let redacted = redact_url(echoed);

@@ -561,15 +561,28 @@ impl Engine {
     /// Tells `/readyz` of the oldest send group still failing, once the streaks no retry
     /// continued within the grace and the longest backoff are forgotten.
     fn report_publish_streaks(&mut self) {
-        let recent = PUBLISH_GRACE + self.config.settings.retry.max_delay;
+        let windows = self.streak_windows();
         let health = &self.config.shared.health;
         match self
             .publish_streaks
-            .oldest(std::time::Instant::now(), recent)
+            .oldest(std::time::Instant::now(), windows)
         {
             Some((since, error)) => health.record_failing_since(Check::Publish, since, error),
             None => health.clear_failure(Check::Publish),
         }
+    }
+
+    /// How long a failing streak says something of now: for `/readyz`, the grace and the
+    /// longest backoff; for what a failure spends (`streaks::attempt`), also the longest
+    /// wait in an outage again and a publish's timeout, since a retry comes back that long
+    /// after the failure before it.
+    fn streak_windows(&self) -> (Duration, Duration) {
+        let settings = &self.config.settings;
+        let recent = PUBLISH_GRACE + settings.retry.max_delay;
+        (
+            recent,
+            recent + settings.retry.max_delay + settings.publish_timeout,
+        )
     }
 
     /// Hands `batch` to the publisher, its outcomes awaited with the others in flight.
@@ -692,10 +705,9 @@ impl Engine {
         let mut first_failure: Option<(String, usize)> = None;
         // Whether the destination is down, judged once for the batch (`streaks::attempt`).
         let batch_confirmed = outcomes.iter().any(Result::is_ok);
-        let (judged_at, recent) = (
-            std::time::Instant::now(),
-            PUBLISH_GRACE + self.config.settings.retry.max_delay,
-        );
+        let (judged_at, (_, recent)) = (std::time::Instant::now(), self.streak_windows());
+        // The failures that say the destination is down, for the streak's evidence.
+        let mut failed_as_down = Vec::new();
         let mut outage: Option<Duration> = None;
         let mut first_dead: Option<(SequenceId, String, String, String)> = None;
         // A lane's run is consecutive in the batch. Its confirmed prefix is acked; its first
@@ -765,6 +777,9 @@ impl Engine {
                                         Some((format!("{}: {report}", event.destination), 1))
                                 }
                             }
+                            if error.kind().is_the_destinations_condition() {
+                                failed_as_down.push(event.sequence_id);
+                            }
                             let due = Instant::now() + delay;
                             self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
                             release.extend(self.lanes.block(&lane));
@@ -821,11 +836,10 @@ impl Engine {
             )
         });
         if !self.ownership_seen.holds_none {
-            let failed: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
             self.publish_streaks.batch(
                 group,
                 !acked.is_empty(),
-                (streak_error, &failed),
+                (streak_error, &failed_as_down),
                 std::time::Instant::now(),
             );
         }

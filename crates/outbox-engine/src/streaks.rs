@@ -57,8 +57,9 @@ pub struct PublishStreaks {
 
 impl PublishStreaks {
     /// A batch of `group` came back at `now`: an event confirmed ends the group's streak;
-    /// else a failure to retry (`error`, of the events `failed`) starts it or carries it
-    /// on. Dead letters are their events' own fault, not the sink's: a batch of them alone
+    /// else a failure to retry (`error`) starts it or carries it on; `failed` are the events
+    /// whose failures were the destination's condition (a 500 of another event says nothing
+    /// of the destination, and made a lone event's 503s count no more). Dead letters are their events' own fault, not the sink's: a batch of them alone
     /// says nothing.
     pub fn batch(
         &mut self,
@@ -129,13 +130,21 @@ impl PublishStreaks {
         }
     }
 
-    /// Forgets the streaks no failure continued within `recent`, and returns the oldest
-    /// left: since when, and its latest error.
-    pub fn oldest(&mut self, now: Instant, recent: Duration) -> Option<(Instant, String)> {
+    /// The oldest streak a failure continued within `recent` (what `/readyz` reports):
+    /// since when, and its latest error. Forgets those no failure continued within `kept`,
+    /// the longer window [`attempt`](Self::attempt) judges by: a retry in an outage comes
+    /// back up to `max_delay` and a publish timeout after the failure before it, and a
+    /// streak forgotten meanwhile made that retry count, and the outage be found anew.
+    pub fn oldest(
+        &mut self,
+        now: Instant,
+        (recent, kept): (Duration, Duration),
+    ) -> Option<(Instant, String)> {
         self.groups
-            .retain(|_, s| now.saturating_duration_since(s.last) <= recent);
+            .retain(|_, s| now.saturating_duration_since(s.last) <= kept);
         self.groups
             .values()
+            .filter(|s| now.saturating_duration_since(s.last) <= recent)
             .min_by_key(|s| s.since)
             .map(|s| (s.since, s.error.clone()))
     }
@@ -173,11 +182,11 @@ mod tests {
         }
         let now = t0 + Duration::from_secs(40);
         assert_eq!(
-            streaks.oldest(now, RECENT),
+            streaks.oldest(now, (RECENT, RECENT)),
             Some((t0, "stream not found".to_string()))
         );
         streaks.batch(1, true, (None, &[]), now);
-        assert_eq!(streaks.oldest(now, RECENT), None);
+        assert_eq!(streaks.oldest(now, (RECENT, RECENT)), None);
     }
 
     /// The oldest streak is the one reported; a group's streak keeps its start while it
@@ -201,12 +210,12 @@ mod tests {
         );
         let now = t0 + Duration::from_secs(3);
         assert_eq!(
-            streaks.oldest(now, RECENT),
+            streaks.oldest(now, (RECENT, RECENT)),
             Some((t0, "a again".to_string()))
         );
         streaks.batch(1, true, (None, &[]), now);
         assert_eq!(
-            streaks.oldest(now, RECENT),
+            streaks.oldest(now, (RECENT, RECENT)),
             Some((t0 + Duration::from_secs(1), "b".to_string()))
         );
     }
@@ -369,6 +378,28 @@ mod tests {
         assert_eq!(later.attempts_after(7), 7);
     }
 
+    /// A retry in an outage comes back up to `max_delay` and a publish's timeout after
+    /// the failure before it, past `/readyz`'s window: the streak is kept for the longer
+    /// one, and that retry spends nothing. Forgotten at `/readyz`'s window, it counted, and
+    /// the outage was found anew, so a long outage still spent attempts.
+    #[test]
+    fn a_retry_that_comes_back_after_readyz_window_is_still_in_the_outage() {
+        let t0 = Instant::now();
+        let kept = RECENT * 3;
+        let mut streaks = PublishStreaks::default();
+        streaks.batch(1, false, (Some("timeout".into()), &[1, 2]), t0);
+        let late = t0 + RECENT * 2;
+        assert_eq!(
+            streaks.oldest(late, (RECENT, kept)),
+            None,
+            "/readyz's window"
+        );
+        assert!(matches!(
+            streaks.attempt(1, (false, DOWN, 1), late, kept),
+            Attempt::InOutage { .. }
+        ));
+    }
+
     /// A streak no failure continued within `recent` says nothing of now: the next failure
     /// counts (and begins a streak again).
     #[test]
@@ -392,9 +423,9 @@ mod tests {
         let mut streaks = PublishStreaks::default();
         streaks.batch(1, false, (Some("503".into()), &[1, 2]), t0);
         streaks.batch(1, false, (None, &[]), t0 + Duration::from_secs(10));
-        assert!(streaks.oldest(t0 + RECENT, RECENT).is_some());
+        assert!(streaks.oldest(t0 + RECENT, (RECENT, RECENT)).is_some());
         assert!(streaks
-            .oldest(t0 + RECENT + Duration::from_secs(1), RECENT)
+            .oldest(t0 + RECENT + Duration::from_secs(1), (RECENT, RECENT))
             .is_none());
         assert!(streaks.is_empty());
     }

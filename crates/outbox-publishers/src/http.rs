@@ -169,7 +169,12 @@ impl KnownSecrets {
                 decoded(password),
                 format!("{}:{}", decoded(user), decoded(password)),
             ],
-            None => vec![after_scheme[..at].to_string(), decoded(&after_scheme[..at])],
+            // A user alone is sent as `user:` (whose base64 does not hold the user's).
+            None => vec![
+                after_scheme[..at].to_string(),
+                decoded(&after_scheme[..at]),
+                format!("{}:", decoded(&after_scheme[..at])),
+            ],
         }
     }
 
@@ -367,6 +372,12 @@ mod tests {
             let e = outcome(StatusCode::from_u16(code).unwrap(), None, None, "", "x").unwrap_err();
             assert_eq!(e.kind(), kind, "{code}");
         }
+        // A URL with a user alone is sent as Basic `user:`: that base64 is scrubbed too.
+        let known = KnownSecrets::new(KnownSecrets::of_user_info("https://TOKEN1@h/x"));
+        assert_eq!(
+            known.scrub(r#"{"credentials":"VE9LRU4xOg=="}"#),
+            r#"{"credentials":"***"}"#
+        );
         let e = outcome(StatusCode::TOO_MANY_REQUESTS, Some("7"), None, "", "x").unwrap_err();
         assert_eq!(
             e.disposition(),

@@ -134,6 +134,7 @@ macro_rules! store_conformance {
             engine_unordered_events_held_back_by_the_sink_go_out_again_unretried,
             engine_dead_letters_after_max_attempts_and_moves_on,
             engine_an_outage_spends_no_attempts,
+            engine_one_event_refused_beside_one_failing_for_itself_is_no_outage,
             engine_dead_letters_permanent_errors_and_undecodable_rows,
             engine_a_dead_letter_the_fence_refuses_keeps_its_key_in_order,
             engine_unordered_retries_and_dead_letters_go_out_again,
@@ -1852,6 +1853,28 @@ pub async fn engine_an_outage_spends_no_attempts(h: &dyn Harness) {
     };
     assert_eq!(of_key(&seq[..2]), seq[..2], "key a in order");
     assert_eq!(of_key(&seq[2..]), seq[2..], "key b in order");
+}
+
+/// One event the destination refuses alone (unavailable, a receiver's 503 to it only)
+/// beside one failing for itself (a broker failure, a 500): the second says nothing of the
+/// destination, so the first is still a lone failing event, and both are dead-lettered at
+/// their attempts. Counted as the outage's evidence, the 500 left the 503s spending nothing,
+/// and the first event was retried for good.
+pub async fn engine_one_event_refused_beside_one_failing_for_itself_is_no_outage(h: &dyn Harness) {
+    let (_, seq) = store_with(
+        h,
+        &[
+            ("d", Some("a"), "refused", 0),
+            ("d", Some("b"), "broken", 1),
+        ],
+    )
+    .await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail("refused", 100, PublishErrorKind::Unavailable);
+    publisher.fail("broken", 100, PublishErrorKind::BrokerFailure);
+    let summary = run_until_settled(h, &publisher, engine_config(false), &seq).await;
+    assert_eq!(summary.dead_lettered, 2);
+    assert_eq!(attempts_of(&publisher, seq[0]), 3, "max_attempts");
 }
 
 /// A head's dead letter the fence refused (its partition's lease lost, perhaps retaken in
