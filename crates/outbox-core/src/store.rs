@@ -596,16 +596,6 @@ pub struct Way {
     pub partitions: Option<u32>,
 }
 
-impl Way {
-    /// As the relay's messages name it.
-    pub fn described(self) -> String {
-        match self.partitions {
-            Some(count) => format!("{} by {count} partitions", self.mode.described()),
-            None => self.mode.described().to_string(),
-        }
-    }
-}
-
 /// Partition leases with fencing epochs, in the same database as the outbox.
 ///
 /// A lease is taken only when the partition is free, its lease expired, or the taker holds

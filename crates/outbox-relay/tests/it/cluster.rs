@@ -1135,24 +1135,15 @@ fn node_to_a_file_beating(
     ordering: &str,
     heartbeat_timeout: &str,
 ) -> RelayProcess {
-    let args = [
-        "run",
-        "--node-id",
-        node,
+    let flags = [
         "--ordering",
         ordering,
         "--heartbeat-interval",
         "200ms",
         "--heartbeat-timeout",
         heartbeat_timeout,
-        "--database-url",
-        url,
-        "--http-addr",
-        "",
-        "--sink",
-        "file:events.jsonl",
     ];
-    RelayProcess::spawn(dir, node, &args, &[])
+    crate::support::polling_to_a_file(dir, url, node, &dir.join("events.jsonl"), &flags)
 }
 
 /// Partitions added to the partitions table under a running node: the node kept hashing
