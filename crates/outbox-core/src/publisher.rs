@@ -69,6 +69,15 @@ pub trait Publisher: Send + Sync + 'static {
     /// Checks that the sink is reachable (for `/readyz` and `check`).
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>>;
 
+    /// [`Publisher::health`] of the sink `event` goes to, where there are several (the
+    /// router's sinks). The engine asks it when one event keeps failing alone: a check that
+    /// fails too says the destination is down, and the event spends none of its attempts;
+    /// one that passes says the destination refuses that event, which then counts them.
+    fn health_of(&self, event: &Event) -> BoxFuture<'static, Result<(), PublishError>> {
+        let _ = event;
+        self.health()
+    }
+
     /// Flushes and closes connections at shutdown.
     fn close(&self) -> BoxFuture<'static, ()> {
         Box::pin(async {})

@@ -334,6 +334,9 @@ struct Engine {
     extending: bool,
     /// Send groups whose publishes keep failing, for `/readyz`.
     publish_streaks: streaks::PublishStreaks,
+    /// Health checks of send groups with one event failing alone, ended since the last
+    /// batch came back: the group, when the check started, and whether it failed.
+    probe_verdicts: Arc<std::sync::Mutex<Vec<(u64, std::time::Instant, bool)>>>,
     /// The keys the last claim left out ([`Lanes::crowded_keys`]): once a settle leaves one
     /// below its share, another claim is wanted to take its rows (the claim that left them
     /// out came back short, and would otherwise wait for the poll).
@@ -704,6 +707,14 @@ impl Engine {
         let mut release = Vec::new();
         let mut first_failure: Option<(String, usize)> = None;
         // Whether the destination is down, judged once for the batch (`streaks::attempt`).
+        for (group, started, down) in std::mem::take(
+            &mut *self
+                .probe_verdicts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        ) {
+            self.publish_streaks.probed(group, started, down);
+        }
         let batch_confirmed = outcomes.iter().any(Result::is_ok);
         let (judged_at, (_, recent)) = (std::time::Instant::now(), self.streak_windows());
         // The failures that say the destination is down, for the streak's evidence.
@@ -842,6 +853,13 @@ impl Engine {
                 (streak_error, &failed_as_down),
                 std::time::Instant::now(),
             );
+            if let Some(lone) = failed_as_down.first() {
+                if self.publish_streaks.wants_probe(group) {
+                    if let Some(event) = batch.iter().find(|e| e.sequence_id == *lone) {
+                        self.probe_destination(group, event);
+                    }
+                }
+            }
         }
         if !acked.is_empty() {
             self.config.shared.health.record(Check::Publish, Ok(()));
@@ -879,6 +897,33 @@ impl Engine {
         self.retry_later(retry_lanes, retries);
         self.dead_letter(dead_lanes, dead);
         self.release(release);
+    }
+
+    /// Checks the health of the destination of `event`, failing alone in `group`, for the
+    /// next batch's judgement of what its failures spend (`streaks::wants_probe`). A check
+    /// that does not answer within a publish's timeout failed.
+    fn probe_destination(&self, group: u64, event: &Event) {
+        let check = self.publisher.health_of(event);
+        let timeout = self.config.settings.publish_timeout;
+        let verdicts = self.probe_verdicts.clone();
+        let started = std::time::Instant::now();
+        tokio::spawn(
+            async move {
+                let result = tokio::time::timeout(timeout, check).await;
+                let down = !matches!(result, Ok(Ok(())));
+                tracing::debug!(
+                    group,
+                    down,
+                    ?result,
+                    "checked a destination one event keeps failing at"
+                );
+                verdicts
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((group, started, down));
+            }
+            .in_current_span(),
+        );
     }
 
     fn ack(&mut self, acked: Vec<Acked>) {
@@ -1490,6 +1535,7 @@ pub async fn run(
         phase: Phase::Relaying,
         extending: false,
         publish_streaks: streaks::PublishStreaks::default(),
+        probe_verdicts: Arc::default(),
         crowded_keys: Vec::new(),
         crowded_claim_found_nothing: None,
         unheld_leases_possible: true,

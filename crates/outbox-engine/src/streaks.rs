@@ -12,6 +12,12 @@
 //! The same streaks say what a failure spends of its event's attempts
 //! ([`PublishStreaks::attempt`]): nothing while its destination is down, so that an outage
 //! longer than the retries dead-letters nothing.
+//!
+//! One event failing alone is no evidence against its destination (a receiver may refuse
+//! that event alone), but an outbox whose events share one key sends only its head, so
+//! through an outage only that event fails. There the sink's own health check decides
+//! ([`PublishStreaks::wants_probe`], [`PublishStreaks::probed`]): a destination whose check
+//! fails too is down, and its lone event spends nothing either.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -48,6 +54,22 @@ struct Streak {
     /// it too: one event failing alone is no evidence against its destination.
     first_failed: Option<SequenceId>,
     several_failed: bool,
+    /// A health check of the destination is running, asked after a lone failure.
+    probing: bool,
+    /// When the last check that ended within this streak was started, and whether it
+    /// found the destination down.
+    verdict: Option<(Instant, bool)>,
+}
+
+impl Streak {
+    /// Whether the streak shows its destination down: more than one event failed in it,
+    /// or the destination's health check, started within it, failed.
+    fn shows_the_destination_down(&self) -> bool {
+        self.several_failed
+            || self
+                .verdict
+                .is_some_and(|(at, down)| down && at >= self.since)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -77,6 +99,8 @@ impl PublishStreaks {
                 error: String::new(),
                 first_failed: None,
                 several_failed: false,
+                probing: false,
+                verdict: None,
             });
             streak.last = now;
             streak.error = error;
@@ -100,13 +124,14 @@ impl PublishStreaks {
     /// A later one spends nothing when the failure is the destination's condition
     /// ([`PublishErrorKind::is_the_destinations_condition`]), no event of the batch was
     /// confirmed, and an earlier batch began a streak that a failure continued within
-    /// `recent`, in which more than one event failed: the destination is down, and
+    /// `recent`, in which more than one event failed, or the destination's health check
+    /// failed ([`probed`](Self::probed)): the destination is down, and
     /// counting there dead-lettered, after the retries' hour, every event that would have
     /// gone out once it came back. The batch that begins a streak counts. A poison event
     /// beside working ones counts each time, since their confirmations end the streak
-    /// between its tries; one failing alone in its group counts too (a receiver that
-    /// answers 503 to that event alone, on a quiet system, kept it for good), as does
-    /// an only event waiting through an outage, as before.
+    /// between its tries; one failing alone in its group, its destination's health
+    /// check passing, counts too (a receiver that answers 503 to that event alone, on a
+    /// quiet system, kept it for good).
     pub fn attempt(
         &self,
         group: u64,
@@ -119,7 +144,7 @@ impl PublishStreaks {
         }
         match self.groups.get(&group) {
             Some(streak)
-                if streak.several_failed
+                if streak.shows_the_destination_down()
                     && now.saturating_duration_since(streak.last) <= recent =>
             {
                 Attempt::InOutage {
@@ -127,6 +152,32 @@ impl PublishStreaks {
                 }
             }
             _ => Attempt::Counted,
+        }
+    }
+
+    /// Whether to check `group`'s destination now, asked after [`batch`](Self::batch)
+    /// recorded a failure: its streak holds one event's failures alone, and no check is
+    /// running. A yes marks one running until [`probed`](Self::probed). A check per lone
+    /// failure at most: they come at the event's backoff.
+    pub fn wants_probe(&mut self, group: u64) -> bool {
+        match self.groups.get_mut(&group) {
+            Some(streak) if !streak.several_failed && !streak.probing => {
+                streak.probing = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// `group`'s health check, started at `started`, found its destination `down` (or
+    /// not). A verdict of a check started before the group's streak began says nothing
+    /// of it; one for a group with no streak now is dropped.
+    pub fn probed(&mut self, group: u64, started: Instant, down: bool) {
+        if let Some(streak) = self.groups.get_mut(&group) {
+            streak.probing = false;
+            if started >= streak.since {
+                streak.verdict = Some((started, down));
+            }
         }
     }
 
@@ -318,6 +369,60 @@ mod tests {
             streaks.attempt(1, (false, DOWN, 1), now, RECENT),
             Attempt::InOutage { .. }
         ));
+    }
+
+    /// An outbox whose events share one key sends only its head through an outage, so one
+    /// event fails alone: its destination's health check decides. Failing, the event
+    /// spends nothing (it was dead-lettered at its attempts, one event an hour at the
+    /// defaults); passing, each failure counts, as a poison event's must. One check runs
+    /// at a time, and each lone failure may ask for the next.
+    #[test]
+    fn a_lone_failing_event_spends_nothing_while_its_destination_fails_its_health_check() {
+        let t0 = Instant::now();
+        let mut streaks = PublishStreaks::default();
+        streaks.batch(1, false, (Some("refused".into()), &[7]), t0);
+        assert!(streaks.wants_probe(1));
+        assert!(!streaks.wants_probe(1), "one check at a time");
+        let checked = t0 + Duration::from_millis(1);
+        streaks.probed(1, checked, true);
+        let retried = t0 + Duration::from_secs(5);
+        assert!(matches!(
+            streaks.attempt(1, (false, DOWN, 1), retried, RECENT),
+            Attempt::InOutage { .. }
+        ));
+        streaks.batch(1, false, (Some("refused".into()), &[7]), retried);
+        assert!(streaks.wants_probe(1), "the next lone failure checks again");
+        // The destination answers its health check again, and still refuses the event.
+        streaks.probed(1, retried, false);
+        assert_eq!(
+            streaks.attempt(1, (false, DOWN, 1), t0 + Duration::from_secs(10), RECENT),
+            Attempt::Counted
+        );
+        // Several events failing need no check.
+        streaks.batch(1, false, (Some("refused".into()), &[8]), retried);
+        assert!(!streaks.wants_probe(1));
+    }
+
+    /// A check started within one streak, ending after a confirmation closed it and a new
+    /// streak began: it says nothing of the new one, whose lone event counts until a check
+    /// of its own fails. A verdict for a group with no streak is dropped.
+    #[test]
+    fn a_check_started_before_its_streak_says_nothing_of_it() {
+        let t0 = Instant::now();
+        let mut streaks = PublishStreaks::default();
+        streaks.batch(1, false, (Some("refused".into()), &[7]), t0);
+        assert!(streaks.wants_probe(1));
+        streaks.batch(1, true, (None, &[]), t0 + Duration::from_secs(1));
+        streaks.probed(1, t0, true);
+        assert!(streaks.is_empty());
+        let again = t0 + Duration::from_secs(2);
+        streaks.batch(1, false, (Some("503".into()), &[9]), again);
+        streaks.probed(1, t0, true);
+        assert_eq!(
+            streaks.attempt(1, (false, DOWN, 1), again + Duration::from_secs(1), RECENT),
+            Attempt::Counted
+        );
+        assert!(streaks.wants_probe(1));
     }
 
     /// A failure that may be the event's own (an HTTP 500, a missing route) counts even in

@@ -274,6 +274,15 @@ impl Publisher for Router {
         .boxed()
     }
 
+    /// The health of the event's sink alone: another sink down says nothing of it. An event
+    /// no route takes fails for want of one, never for its destination.
+    fn health_of(&self, event: &Event) -> BoxFuture<'static, Result<(), PublishError>> {
+        match self.route(event) {
+            Some(route) => self.sinks[&route.sink].health(),
+            None => async { Ok(()) }.boxed(),
+        }
+    }
+
     fn close(&self) -> BoxFuture<'static, ()> {
         let closes: Vec<_> = self.sinks.values().map(|s| s.close()).collect();
         async move {
@@ -407,6 +416,41 @@ mod tests {
             vec![("events.orders.eu.created".to_string(), 1)]
         );
         assert_eq!(*b.0.lock().unwrap(), vec![("posts:7".to_string(), 2)]);
+    }
+
+    /// The health of an event's destination is its own sink's: a sink down beside it says
+    /// nothing of the event (the engine asks when one event keeps failing alone), and an
+    /// event with no route fails for want of one, not for a destination down.
+    #[tokio::test]
+    async fn an_events_health_is_its_own_sinks() {
+        struct Down;
+        impl Sink for Down {
+            fn describe(&self) -> String {
+                "down".into()
+            }
+            fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+                let n = batch.len();
+                async move { (0..n).map(|_| Ok(())).collect() }.boxed()
+            }
+            fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+                async { Err(PublishError::new(PublishErrorKind::Unavailable, "down")) }.boxed()
+            }
+        }
+        let router = Router::new(
+            vec![
+                ("up".into(), Arc::new(Recorder::default()) as Arc<dyn Sink>),
+                ("down".into(), Arc::new(Down) as Arc<dyn Sink>),
+            ],
+            vec![
+                Route::new("orders.*", "up", Template::destination()).unwrap(),
+                Route::new("posts.*", "down", Template::destination()).unwrap(),
+            ],
+        )
+        .unwrap();
+        assert!(router.health().await.is_err(), "the relay's: any sink down");
+        assert!(router.health_of(&event(1, "orders.eu", "x")).await.is_ok());
+        assert!(router.health_of(&event(2, "posts.a", "x")).await.is_err());
+        assert!(router.health_of(&event(3, "invoices", "x")).await.is_ok());
     }
 
     /// Events of different sinks, and of a webhook's different destinations, go in batches

@@ -10,7 +10,7 @@ use base64::Engine;
 use futures::future::{join_all, BoxFuture};
 use futures::FutureExt;
 use hmac::{Hmac, Mac};
-use outbox_core::{Outcome, PublishError};
+use outbox_core::{Outcome, PublishError, PublishErrorKind};
 use sha2::Sha256;
 use tokio::sync::Semaphore;
 
@@ -284,8 +284,9 @@ impl Sink for WebhookSink {
 
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
         // A webhook endpoint has no standard health check: a HEAD request to its server
-        // shows that the server answers (any status will do), over TLS as configured. A
-        // host given by a placeholder is known per event only; failures surface there.
+        // shows that the server answers (any status will do, but a gateway's 502-504: a
+        // load balancer with no receiver behind it answers them), over TLS as configured.
+        // A host given by a placeholder is known per event only; failures surface there.
         let Some(origin) = self.origin.clone() else {
             return async { Ok(()) }.boxed();
         };
@@ -296,11 +297,17 @@ impl Sink for WebhookSink {
         );
         let request = self.client.head(origin);
         async move {
-            request
+            let response = request
                 .send()
                 .await
-                .map(|_| ())
-                .map_err(|e| crate::http::transport_error(e, &what))
+                .map_err(|e| crate::http::transport_error(e, &what))?;
+            match response.status().as_u16() {
+                status @ 502..=504 => Err(PublishError::new(
+                    PublishErrorKind::Unavailable,
+                    format!("{what} answered {status}: no receiver is serving behind it"),
+                )),
+                _ => Ok(()),
+            }
         }
         .boxed()
     }

@@ -724,3 +724,41 @@ async fn a_receiver_that_echoes_the_credentials_gets_none_into_the_error() {
     }
     assert!(said.contains("ERR auth="), "{said}");
 }
+
+/// The webhook's health check is a HEAD to the receiver's server, any answer passing: but a
+/// load balancer or gateway with no receiver behind it answers 502-504, which is the
+/// receiver down. The check passed then, so an outbox of one key, whose head alone fails
+/// through such an outage, spent that event's attempts as if the receiver refused it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_with_no_receiver_behind_it_fails_the_health_check() {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    outbox_testkit::install_crypto();
+    let status = Arc::new(AtomicU16::new(404));
+    let answer = status.clone();
+    let app = axum::Router::new().fallback(move || {
+        let status = StatusCode::from_u16(answer.load(Ordering::SeqCst)).unwrap();
+        async move { status }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let config = read_config(json!({ "uri": format!("http://{addr}/hooks/{{destination}}") }));
+    let sink = outbox_publishers::build_sink("hooks", &config)
+        .await
+        .unwrap();
+    for passing in [404, 405, 200, 500] {
+        status.store(passing, Ordering::SeqCst);
+        sink.health()
+            .await
+            .unwrap_or_else(|e| panic!("{passing}: {e}"));
+    }
+    for down in [502, 503, 504] {
+        status.store(down, Ordering::SeqCst);
+        let error = sink.health().await.expect_err("a gateway with no receiver");
+        assert_eq!(error.kind(), outbox_core::PublishErrorKind::Unavailable);
+        assert!(
+            error.to_string().contains(&format!("answered {down}")),
+            "{error}"
+        );
+    }
+}
