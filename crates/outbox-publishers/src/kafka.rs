@@ -118,6 +118,9 @@ fn properties<S: serde::Serializer>(
 pub struct KafkaSink {
     /// Made again from `client` after a fatal error ([`KafkaSink::producer`]).
     producer: std::sync::Mutex<FutureProducer>,
+    /// Sends what the broker refused in a record batch too large, each record in a request
+    /// of its own (made at the first need).
+    solo: Arc<SoloProducer>,
     client: ClientConfig,
     shown: String,
     max_message_bytes: usize,
@@ -164,6 +167,13 @@ pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, Si
         .set(
             "message.timeout.ms",
             config.timeout.get().as_millis().to_string(),
+        )
+        // librdkafka waits this long (30 s by default) before it calls a topic missing, and
+        // a record timing out first said "timed out", retried as a broker that is down, for
+        // a topic that is not there. Half the timeout leaves a new topic time to appear.
+        .set(
+            "topic.metadata.propagation.max.ms",
+            (config.timeout.get().as_millis() / 2).max(1).to_string(),
         )
         .set("client.id", "outbox-relay");
     let sasl = config.sasl_mechanism.is_some();
@@ -213,10 +223,25 @@ pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, Si
         }
         if let Some(why) = guarantee_broken_by(k, v) {
             return Err(SinkSetupError::config(format!(
-                "kafka property {k} = {v:?} cannot be set: {why}; remove it (the relay sets it)"
+                "kafka property {k} = {v:?} cannot be set: {why}; remove it"
             )));
         }
         c.set(k, v);
+    }
+    let timeout_ms = config.timeout.get().as_millis();
+    if let Some(propagation) = config.kafka.get("topic.metadata.propagation.max.ms") {
+        if propagation
+            .trim()
+            .parse::<u128>()
+            .is_ok_and(|ms| ms >= timeout_ms)
+        {
+            return Err(SinkSetupError::config(format!(
+                "kafka property topic.metadata.propagation.max.ms = {propagation:?} is not \
+                 below the sink's timeout ({timeout_ms} ms): a record to a topic that does not \
+                 exist would time out before librdkafka says the topic is missing; lower it, \
+                 or raise `timeout`"
+            )));
+        }
     }
     Ok(c)
 }
@@ -246,16 +271,32 @@ fn guarantee_broken_by(key: &str, value: &str) -> Option<&'static str> {
     let value = value.trim().to_ascii_lowercase();
     match key.trim() {
         "acks" | "request.required.acks" if !matches!(value.as_str(), "all" | "-1") => Some(
-            "an event is acked once every in-sync replica holds it (acks = all); fewer \
-             acknowledgements could lose what was acked",
+            "an event is acked once every in-sync replica holds it (acks = all, which the \
+             relay sets); fewer acknowledgements could lose what was acked",
         ),
         "partitioner" if value.ends_with("random") && value != "murmur2_random" && value != "fnv1a_random" => Some(
             "a random partitioner scatters a key's records, or an empty key's, over partitions: \
              use consistent, murmur2 or fnv1a",
         ),
         "enable.idempotence" if value != "true" => Some(
-            "the idempotent producer keeps a key's records in order, and unduplicated, when \
-             librdkafka retries",
+            "the idempotent producer (which the relay sets) keeps a key's records in order, \
+             and unduplicated, when librdkafka retries",
+        ),
+        // `test.mock.num.brokers` replaces the brokers (and the URI's, and TLS) with an
+        // in-process fake that acknowledged every record: each event acked, none in Kafka.
+        key if key.starts_with("test.") => Some(
+            "librdkafka's test properties (test.mock.num.brokers among them) put an \
+             in-process fake in place of the brokers, which acknowledges every record: events \
+             would be acked and deleted without ever reaching Kafka",
+        ),
+        "delivery.report.only.error" if value == "true" => Some(
+            "an event is acked on its delivery report, which this turns off for every record \
+             delivered: none would be acked, and each would be sent again and again",
+        ),
+        "transactional.id" => Some(
+            "the relay's producer is idempotent, not transactional (it acks each event on \
+             its own delivery report): with a transactional id every record fails outside \
+             a transaction",
         ),
         _ => None,
     }
@@ -277,8 +318,14 @@ impl KafkaSink {
             )),
             e => SinkSetupError::config(format!("invalid Kafka settings: {e}")).with_source(e),
         })?;
+        let mut solo = client.clone();
+        solo.set("batch.num.messages", "1").set("linger.ms", "0");
         Ok(KafkaSink {
             producer: std::sync::Mutex::new(producer),
+            solo: Arc::new(SoloProducer {
+                client: solo,
+                producer: std::sync::Mutex::new(None),
+            }),
             client,
             shown: outbox_core::redact::redact_url(uri),
             max_message_bytes,
@@ -309,14 +356,130 @@ impl KafkaSink {
     }
 }
 
+/// A producer that sends each record in a record batch of its own. The broker refuses a
+/// batch over its topic's `max.message.bytes` whole, every record in it however small, and
+/// librdkafka does not split it: the records come back together at each retry, and were
+/// refused together to their attempt limit, small events of other keys dead-lettered with
+/// the one too large. Sent again one by one, each small one is delivered, and one refused
+/// alone is too large by itself.
+struct SoloProducer {
+    client: ClientConfig,
+    producer: std::sync::Mutex<Option<FutureProducer>>,
+}
+
+impl SoloProducer {
+    /// The producer, made at the first need, and again after a fatal error.
+    fn get(&self) -> Result<FutureProducer, KafkaError> {
+        let mut slot = self
+            .producer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &*slot {
+            Some(producer) if producer.client().fatal_error().is_none() => Ok(producer.clone()),
+            _ => {
+                let fresh: FutureProducer = self.client.create()?;
+                *slot = Some(fresh.clone());
+                Ok(fresh)
+            }
+        }
+    }
+}
+
+/// How one record's send failed.
+enum Failed {
+    /// librdkafka refused it when it was handed over.
+    Enqueued(KafkaError),
+    /// Its delivery report says so.
+    Delivered(KafkaError),
+    /// The producer shut down before reporting.
+    Shutdown,
+}
+
+impl Failed {
+    /// The broker refused the record batch that carried it as too large.
+    fn in_a_batch_too_large(&self) -> bool {
+        matches!(self, Failed::Delivered(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge))
+    }
+
+    fn into_error(self, topic: &str) -> PublishError {
+        match self {
+            Failed::Enqueued(e) => classify(e, topic),
+            Failed::Delivered(e) => classify_delivery(e, topic),
+            Failed::Shutdown => PublishError::new(
+                PublishErrorKind::Unavailable,
+                "the Kafka producer shut down",
+            ),
+        }
+    }
+}
+
+/// Hands `routed` to `producer`, stamped with the relay's headers and the event's own:
+/// the future resolves with its delivery report.
+fn produce(producer: &FutureProducer, routed: &Routed) -> BoxFuture<'static, Result<(), Failed>> {
+    let event = &routed.event;
+    let id = event.event_id.hyphenated().to_string();
+    let sequence = event.sequence_id.to_string();
+    let mut headers = OwnedHeaders::new_with_capacity(event.headers.len() + 4)
+        .insert(Header {
+            key: HEADER_EVENT_ID,
+            value: Some(id.as_str()),
+        })
+        .insert(Header {
+            key: HEADER_EVENT_TYPE,
+            value: Some(event.event_type.as_str()),
+        })
+        .insert(Header {
+            key: HEADER_SEQUENCE_ID,
+            value: Some(sequence.as_str()),
+        });
+    if let Some(m) = &event.mutation_id {
+        headers = headers.insert(Header {
+            key: HEADER_MUTATION_ID,
+            value: Some(m.as_str()),
+        });
+    }
+    // An event's own header of a relay header's name is left out: Kafka keeps both, and
+    // consumers read the last, which would replace the id stamp. Kafka's header names are
+    // case-sensitive: only the relay's own names, as it stamps them on this record.
+    let stamped = |name: &str| {
+        RELAY_HEADERS.contains(&name) && (name != HEADER_MUTATION_ID || event.mutation_id.is_some())
+    };
+    for (k, v) in event.headers.iter().filter(|(k, _)| !stamped(k)) {
+        headers = headers.insert(Header {
+            key: k.as_str(),
+            value: Some(v.as_str()),
+        });
+    }
+    let record = FutureRecord::to(&routed.target)
+        .key(event.ordering_key())
+        .payload(event.payload.as_bytes())
+        .headers(headers);
+    match producer.send_result(record) {
+        Ok(delivery) => async move {
+            match delivery.await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err((e, _))) => Err(Failed::Delivered(e)),
+                Err(_) => Err(Failed::Shutdown),
+            }
+        }
+        .boxed(),
+        Err((e, _)) => async move { Err(Failed::Enqueued(e)) }.boxed(),
+    }
+}
+
 /// Kafka's own topics (`__consumer_offsets`, `__transaction_state`, Connect's and
 /// Streams' internals) start with `__`: a record there corrupts what they hold.
 fn internal_topic(topic: &str) -> Option<&'static str> {
     topic.starts_with("__").then_some("a Kafka internal topic")
 }
 
-/// The one place Kafka errors become publish outcomes.
+/// The one place Kafka errors become publish outcomes, for a record to `topic`.
 fn classify(error: KafkaError, topic: &str) -> PublishError {
+    classify_as(error, format!("kafka topic {topic:?}"))
+}
+
+/// [`classify`], the error saying what failed as `what`.
+fn classify_as(error: KafkaError, what: String) -> PublishError {
     use RDKafkaErrorCode as C;
     let kind = match error.rdkafka_error_code() {
         Some(C::MessageSizeTooLarge) => PublishErrorKind::TooLarge,
@@ -342,7 +505,16 @@ fn classify(error: KafkaError, topic: &str) -> PublishError {
         _ if matches!(error, KafkaError::Nul(_)) => PublishErrorKind::Rejected,
         _ => PublishErrorKind::Unavailable,
     };
-    PublishError::new(kind, format!("kafka topic {topic:?}")).with_source(error)
+    let what = match kind {
+        // librdkafka's own check, before any broker: its words name no setting.
+        PublishErrorKind::TooLarge => format!(
+            "{what}: the record (payload, key and headers) is larger than the producer's \
+             message.max.bytes ({DEFAULT_MAX_MESSAGE_BYTES} unless set under \
+             [sinks.NAME.kafka])"
+        ),
+        _ => what,
+    };
+    PublishError::new(kind, what).with_source(error)
 }
 
 /// A delivery report's error. librdkafka refuses a record over the producer's
@@ -350,7 +522,8 @@ fn classify(error: KafkaError, topic: &str) -> PublishError {
 /// delivery is the broker's refusal of the whole record batch, over the topic's
 /// `max.message.bytes`, which fails every record in it however small, and librdkafka does
 /// not split the batch. As the record's own, it dead-lettered whole batches of small events
-/// at once; it is the sink's setting, retried until it is mended.
+/// at once. The sink sends such records again one by one ([`SoloProducer`]); this is the
+/// error of those it could not (no producer for it), retried.
 fn classify_delivery(error: KafkaError, topic: &str) -> PublishError {
     if error.rdkafka_error_code() != Some(RDKafkaErrorCode::MessageSizeTooLarge) {
         return classify(error, topic);
@@ -366,6 +539,23 @@ fn classify_delivery(error: KafkaError, topic: &str) -> PublishError {
         ),
     )
     .with_source(error)
+}
+
+/// A record the broker refused as too large when it was alone in its record batch: the
+/// event is larger than the topic's `max.message.bytes` by itself, and will never fit.
+fn too_large_alone(failure: Failed, topic: &str) -> PublishError {
+    let error = PublishError::new(
+        PublishErrorKind::TooLarge,
+        format!(
+            "kafka topic {topic:?} refused this event, sent alone, as larger than the topic's \
+             max.message.bytes: raise the topic's max.message.bytes (and the sink's \
+             message.max.bytes under [sinks.NAME.kafka]), or make the event smaller"
+        ),
+    );
+    match failure {
+        Failed::Enqueued(e) | Failed::Delivered(e) => error.with_source(e),
+        Failed::Shutdown => error,
+    }
 }
 
 impl Sink for KafkaSink {
@@ -386,72 +576,55 @@ impl Sink for KafkaSink {
     }
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
-        let producer = self.producer();
         // Enqueue the whole batch, then await every delivery report.
-        let deliveries: Vec<_> = batch
-            .iter()
-            .map(|routed| {
-                let event = &routed.event;
-                let id = event.event_id.hyphenated().to_string();
-                let sequence = event.sequence_id.to_string();
-                let mut headers = OwnedHeaders::new_with_capacity(event.headers.len() + 4)
-                    .insert(Header {
-                        key: HEADER_EVENT_ID,
-                        value: Some(id.as_str()),
-                    })
-                    .insert(Header {
-                        key: HEADER_EVENT_TYPE,
-                        value: Some(event.event_type.as_str()),
-                    })
-                    .insert(Header {
-                        key: HEADER_SEQUENCE_ID,
-                        value: Some(sequence.as_str()),
-                    });
-                if let Some(m) = &event.mutation_id {
-                    headers = headers.insert(Header {
-                        key: HEADER_MUTATION_ID,
-                        value: Some(m.as_str()),
-                    });
+        let producer = self.producer();
+        let deliveries: Vec<_> = batch.iter().map(|r| produce(&producer, r)).collect();
+        let solo = self.solo.clone();
+        async move {
+            let mut failed: Vec<(usize, Failed)> = Vec::new();
+            let mut outcomes: Vec<Outcome> = Vec::with_capacity(batch.len());
+            for (i, result) in join_all(deliveries).await.into_iter().enumerate() {
+                outcomes.push(Ok(()));
+                if let Err(failure) = result {
+                    failed.push((i, failure));
                 }
-                // An event's own header of a relay header's name is left out: Kafka keeps
-                // both, and consumers read the last, which would replace the id stamp.
-                // Kafka's header names are case-sensitive: only the relay's own names,
-                // as it stamps them on this record.
-                let stamped = |name: &str| {
-                    RELAY_HEADERS.contains(&name)
-                        && (name != HEADER_MUTATION_ID || event.mutation_id.is_some())
+            }
+            let (in_batches_too_large, others): (Vec<_>, Vec<_>) =
+                failed.into_iter().partition(|(_, f)| f.in_a_batch_too_large());
+            for (i, failure) in others {
+                outcomes[i] = Err(failure.into_error(&batch[i].target));
+            }
+            if in_batches_too_large.is_empty() {
+                return outcomes;
+            }
+            // Each again, alone in its request (`SoloProducer`).
+            let solo = match solo.get() {
+                Ok(solo) => solo,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not make the Kafka producer that sends records one by one; the records of a batch refused as too large are retried as they were");
+                    for (i, failure) in in_batches_too_large {
+                        outcomes[i] = Err(failure.into_error(&batch[i].target));
+                    }
+                    return outcomes;
+                }
+            };
+            let resent = join_all(
+                in_batches_too_large
+                    .iter()
+                    .map(|(i, _)| produce(&solo, &batch[*i])),
+            )
+            .await;
+            for ((i, _), result) in in_batches_too_large.into_iter().zip(resent) {
+                let topic = &batch[i].target;
+                outcomes[i] = match result {
+                    Ok(()) => Ok(()),
+                    Err(f) if f.in_a_batch_too_large() => Err(too_large_alone(f, topic)),
+                    Err(f) => Err(f.into_error(topic)),
                 };
-                for (k, v) in event.headers.iter().filter(|(k, _)| !stamped(k)) {
-                    headers = headers.insert(Header {
-                        key: k.as_str(),
-                        value: Some(v.as_str()),
-                    });
-                }
-                let record = FutureRecord::to(&routed.target)
-                    .key(event.ordering_key())
-                    .payload(event.payload.as_bytes())
-                    .headers(headers);
-                let topic = routed.target.clone();
-                match producer.send_result(record) {
-                    Ok(delivery) => async move {
-                        match delivery.await {
-                            Ok(Ok(_)) => Ok(()),
-                            Ok(Err((e, _))) => Err(classify_delivery(e, &topic)),
-                            Err(_) => Err(PublishError::new(
-                                PublishErrorKind::Unavailable,
-                                "the Kafka producer shut down",
-                            )),
-                        }
-                    }
-                    .boxed(),
-                    Err((e, _)) => {
-                        let error = classify(e, &topic);
-                        async move { Err(error) }.boxed()
-                    }
-                }
-            })
-            .collect();
-        async move { join_all(deliveries).await }.boxed()
+            }
+            outcomes
+        }
+        .boxed()
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
@@ -472,7 +645,7 @@ impl Sink for KafkaSink {
             .await
             .map_err(|e| PublishError::new(PublishErrorKind::Unavailable, format!("{shown}: {e}")))?
             .map(|_| ())
-            .map_err(|e| classify(e, &shown))
+            .map_err(|e| classify_as(e, format!("{shown}: reading the cluster's metadata")))
         }
         .boxed()
     }
@@ -483,9 +656,14 @@ impl Sink for KafkaSink {
 
     fn close(&self) -> BoxFuture<'static, ()> {
         let producer = self.producer();
+        let shown = self.shown.clone();
         async move {
-            let _ =
+            let flushed =
                 tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(5))).await;
+            if let Ok(Err(e)) = flushed {
+                // Their events were not acked: they go out again at the next start.
+                tracing::warn!(sink = %shown, error = %e, "records still unconfirmed at shutdown; their events are not acked, and are sent again at the next start");
+            }
         }
         .boxed()
     }
@@ -689,5 +867,68 @@ mod tests {
         ] {
             assert!(client_config("kafka://b:9092", &with(key, value)).is_ok());
         }
+    }
+
+    /// Raw properties that took the acknowledgement away from the brokers' own: the mock
+    /// cluster, which replaced the brokers and acknowledged every record (each event
+    /// acked and deleted, none in Kafka, `check` saying ok); no delivery report for a
+    /// record delivered (none ever acked, each sent again and again); a transactional id
+    /// (every record failing, retried for good as a broker that is down).
+    #[test]
+    fn raw_properties_that_fake_or_withhold_the_acknowledgement_are_refused() {
+        let with = |key: &str, value: &str| KafkaConfig {
+            kafka: [(key.to_string(), value.to_string())].into_iter().collect(),
+            ..KafkaConfig::default()
+        };
+        for (key, value, says) in [
+            ("test.mock.num.brokers", "1", "in-process fake"),
+            ("test.mock.broker.rtt", "10", "in-process fake"),
+            ("delivery.report.only.error", "true", "none would be acked"),
+            ("transactional.id", "relay-1", "not transactional"),
+        ] {
+            let err = client_config("kafka://b:9092", &with(key, value))
+                .err()
+                .unwrap_or_else(|| panic!("{key} = {value} accepted"))
+                .to_string();
+            assert!(err.contains(key) && err.contains(says), "{err}");
+        }
+        assert!(client_config(
+            "kafka://b:9092",
+            &with("delivery.report.only.error", "false")
+        )
+        .is_ok());
+    }
+
+    /// librdkafka calls a topic missing only after `topic.metadata.propagation.max.ms`, 30 s
+    /// by default, past the default 10 s timeout: a record to a topic that is not there
+    /// timed out, retried as a broker down, never named missing. The relay sets it to half
+    /// the timeout, and refuses a raw one that is not below it.
+    #[test]
+    fn a_missing_topic_is_named_before_the_record_times_out() {
+        let mut config = KafkaConfig::default();
+        let c = client_config("kafka://b:9092", &config).unwrap();
+        let timeout: u128 = c.get("message.timeout.ms").unwrap().parse().unwrap();
+        let propagation: u128 = c
+            .get("topic.metadata.propagation.max.ms")
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            propagation > 0 && propagation < timeout,
+            "{propagation} / {timeout}"
+        );
+        config.kafka.insert(
+            "topic.metadata.propagation.max.ms".into(),
+            timeout.to_string(),
+        );
+        let err = client_config("kafka://b:9092", &config)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("not below the sink's timeout"), "{err}");
+        config
+            .kafka
+            .insert("topic.metadata.propagation.max.ms".into(), "1000".into());
+        assert!(client_config("kafka://b:9092", &config).is_ok());
     }
 }

@@ -184,17 +184,56 @@ async fn a_record_the_broker_refuses_as_its_own_fails_permanently() {
 }
 
 /// The broker refuses a record batch over its topic's `max.message.bytes` whole, failing
-/// every record in it however small (librdkafka does not split it). Taken as each record's
-/// own, it dead-lettered whole batches of small events at once; it is the sink's setting,
-/// retried, and the error says which settings to mend.
+/// every record in it however small (librdkafka does not split it). Retried as they were,
+/// the records came back together and were refused together to their attempt limit: small
+/// events of other keys dead-lettered with the one too large. Each is sent again alone:
+/// the small ones are delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_the_broker_refuses_as_too_large_is_retried_naming_the_settings() {
+async fn the_small_records_of_a_batch_refused_as_too_large_are_delivered_alone() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let h = new_harness().await;
+    let cluster = &h.cluster.as_ref().unwrap().0;
+    // One produce request refused; three partitions' requests at most carry the batch.
+    cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
+    );
+    let batch = (1..=6)
+        .map(|i| outbox_publishers::Routed {
+            cloudevents: None,
+            event: outbox_testkit::publisher::event(i, &format!("customer-{i}"), b"{}".to_vec()),
+            target: h.topic.clone(),
+        })
+        .collect();
+    let outcomes = h.sink.send(batch).await;
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    let expected: std::collections::BTreeSet<String> =
+        (1..=6).map(|i| format!("customer-{i}")).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let keys: std::collections::BTreeSet<String> = h
+            .received()
+            .await
+            .into_iter()
+            .filter_map(|r| r.ordering_key)
+            .collect();
+        if keys == expected {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "received {keys:?}");
+    }
+}
+
+/// A record the broker refuses as too large when it is alone in its batch is too large by
+/// itself: dead-lettered at once, the error naming the settings to mend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_refused_as_too_large_alone_is_too_large_naming_the_settings() {
     use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
     let h = new_harness().await;
     let cluster = &h.cluster.as_ref().unwrap().0;
     cluster.request_errors(
         RDKafkaApiKey::Produce,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE; 2],
     );
     let routed = outbox_publishers::Routed {
         cloudevents: None,
@@ -207,14 +246,44 @@ async fn a_batch_the_broker_refuses_as_too_large_is_retried_naming_the_settings(
         .await
         .remove(0)
         .expect_err("refused");
+    assert_eq!(err.kind(), outbox_core::PublishErrorKind::TooLarge, "{err}");
     assert!(
-        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
+        err.to_string().contains("sent alone") && err.to_string().contains("max.message.bytes"),
         "{err}"
     );
-    assert!(
-        err.to_string().contains("batch.size") && err.to_string().contains("max.message.bytes"),
+}
+
+/// A record to a topic that does not exist (and a cluster that creates none) timed out
+/// before librdkafka called the topic missing (30 s against the 10 s timeout): retried as
+/// a broker that is down, for good, never named. It is a missing target, named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_that_does_not_exist_is_named_missing() {
+    let cluster = MockCluster::new(1).unwrap();
+    let config: SinkConfig = serde_json::from_value(serde_json::json!({
+        "uri": format!("kafka://{}", cluster.bootstrap_servers()),
+        "timeout": "4s",
+        "kafka": {"allow.auto.create.topics": "false"},
+    }))
+    .unwrap();
+    let sink = outbox_publishers::build_sink("kafka", &config)
+        .await
+        .unwrap();
+    let topic = format!("nosuchtopic-{}", uuid::Uuid::new_v4().simple());
+    let err = sink
+        .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event: outbox_testkit::publisher::event(1, "k", b"{}".to_vec()),
+            target: topic.clone(),
+        }])
+        .await
+        .remove(0)
+        .expect_err("no such topic");
+    assert_eq!(
+        err.kind(),
+        outbox_core::PublishErrorKind::MissingTarget,
         "{err}"
     );
+    assert!(err.to_string().contains(&topic), "{err}");
 }
 
 /// The broker answers the idempotent producer with an out-of-order sequence, which
