@@ -11,6 +11,7 @@ use std::time::Duration;
 use futures::future::{join_all, BoxFuture};
 use futures::FutureExt;
 use outbox_core::{Outcome, PublishError, PublishErrorKind};
+use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
@@ -115,9 +116,24 @@ fn properties<S: serde::Serializer>(
     out.end()
 }
 
+/// The sink's producers, their librdkafka logs through [`KafkaLogs`].
+type RelayProducer = FutureProducer<KafkaLogs>;
+
+/// librdkafka's own log lines as they come, and its "global errors" at debug: each of
+/// those repeats a log line (a broker that refuses connections gave one `FAIL` line and
+/// two identical `Global error` lines, all at ERROR, for every attempt), and what they say
+/// reaches the relay's own log through the publishes and health checks that fail.
+pub struct KafkaLogs;
+
+impl ClientContext for KafkaLogs {
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::debug!(%error, reason, "librdkafka global error");
+    }
+}
+
 pub struct KafkaSink {
     /// Made again from `client` after a fatal error ([`KafkaSink::producer`]).
-    producer: std::sync::Mutex<FutureProducer>,
+    producer: std::sync::Mutex<RelayProducer>,
     /// Sends what the broker refused in a record batch too large, each record in a request
     /// of its own (made at the first need).
     solo: Arc<SoloProducer>,
@@ -311,13 +327,14 @@ impl KafkaSink {
             .and_then(|v| v.parse().ok())
             .unwrap_or(DEFAULT_MAX_MESSAGE_BYTES);
         // librdkafka checks its properties here and connects later, in the background.
-        let producer: FutureProducer = client.create().map_err(|e| match e {
-            // Its Display quotes the value, which may be a misspelt password's.
-            KafkaError::ClientConfig(_, description, name, _) => SinkSetupError::config(format!(
-                "invalid Kafka settings: property `{name}`: {description}"
-            )),
-            e => SinkSetupError::config(format!("invalid Kafka settings: {e}")).with_source(e),
-        })?;
+        let producer: RelayProducer =
+            client.create_with_context(KafkaLogs).map_err(|e| match e {
+                // Its Display quotes the value, which may be a misspelt password's.
+                KafkaError::ClientConfig(_, description, name, _) => SinkSetupError::config(
+                    format!("invalid Kafka settings: property `{name}`: {description}"),
+                ),
+                e => SinkSetupError::config(format!("invalid Kafka settings: {e}")).with_source(e),
+            })?;
         let mut solo = client.clone();
         solo.set("batch.num.messages", "1").set("linger.ms", "0");
         Ok(KafkaSink {
@@ -336,13 +353,13 @@ impl KafkaSink {
     /// producer then fails every record for good (`__FATAL`), and was never replaced, so
     /// each event was retried to its attempt limit and dead-lettered until a restart. The
     /// records it failed go again, in order, through the new one.
-    fn producer(&self) -> FutureProducer {
+    fn producer(&self) -> RelayProducer {
         let mut producer = self
             .producer
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((code, reason)) = producer.client().fatal_error() {
-            match self.client.create::<FutureProducer>() {
+            match self.client.create_with_context(KafkaLogs) {
                 Ok(fresh) => {
                     tracing::error!(sink = %self.shown, error = %reason, ?code, "the Kafka producer hit a fatal error; a new one takes over");
                     *producer = fresh;
@@ -364,12 +381,12 @@ impl KafkaSink {
 /// alone is too large by itself.
 struct SoloProducer {
     client: ClientConfig,
-    producer: std::sync::Mutex<Option<FutureProducer>>,
+    producer: std::sync::Mutex<Option<RelayProducer>>,
 }
 
 impl SoloProducer {
     /// The producer, made at the first need, and again after a fatal error.
-    fn get(&self) -> Result<FutureProducer, KafkaError> {
+    fn get(&self) -> Result<RelayProducer, KafkaError> {
         let mut slot = self
             .producer
             .lock()
@@ -377,7 +394,7 @@ impl SoloProducer {
         match &*slot {
             Some(producer) if producer.client().fatal_error().is_none() => Ok(producer.clone()),
             _ => {
-                let fresh: FutureProducer = self.client.create()?;
+                let fresh: RelayProducer = self.client.create_with_context(KafkaLogs)?;
                 *slot = Some(fresh.clone());
                 Ok(fresh)
             }
@@ -415,7 +432,7 @@ impl Failed {
 
 /// Hands `routed` to `producer`, stamped with the relay's headers and the event's own:
 /// the future resolves with its delivery report.
-fn produce(producer: &FutureProducer, routed: &Routed) -> BoxFuture<'static, Result<(), Failed>> {
+fn produce(producer: &RelayProducer, routed: &Routed) -> BoxFuture<'static, Result<(), Failed>> {
     let event = &routed.event;
     let id = event.event_id.hyphenated().to_string();
     let sequence = event.sequence_id.to_string();

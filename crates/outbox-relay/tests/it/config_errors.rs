@@ -1794,3 +1794,22 @@ fn a_secret_every_user_may_read_is_warned_about_naming_the_file_and_the_fix() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(!stderr(&out).contains("every user"), "{}", stderr(&out));
 }
+
+/// A Kafka broker that refuses connections: librdkafka reported each attempt as a log line
+/// and twice more as identical "Global error" lines, three ERROR lines a time. Its global
+/// errors now go to debug; its own log line, which says why, stays.
+#[test]
+fn a_kafka_broker_that_refuses_connections_is_reported_once_an_attempt() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let sink = format!("kafka://127.0.0.1:{port}");
+    let out = relay(dir.path(), &["check", "--sink", &sink], &[]);
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("Connection refused"), "{said}");
+    assert!(!said.contains("Global error"), "{said}");
+}
