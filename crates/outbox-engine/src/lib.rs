@@ -719,6 +719,7 @@ impl Engine {
         let (judged_at, (_, recent)) = (std::time::Instant::now(), self.streak_windows());
         // The failures that say the destination is down, for the streak's evidence.
         let mut failed_as_down = Vec::new();
+        let mut first_down_retry: Option<Duration> = None;
         let mut outage: Option<Duration> = None;
         let mut first_dead: Option<(SequenceId, String, String, String)> = None;
         // A lane's run is consecutive in the batch. Its confirmed prefix is acked; its first
@@ -790,6 +791,7 @@ impl Engine {
                             }
                             if error.kind().is_the_destinations_condition() {
                                 failed_as_down.push(event.sequence_id);
+                                first_down_retry.get_or_insert(delay);
                             }
                             let due = Instant::now() + delay;
                             self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
@@ -853,10 +855,10 @@ impl Engine {
                 (streak_error, &failed_as_down),
                 std::time::Instant::now(),
             );
-            if let Some(lone) = failed_as_down.first() {
+            if let (Some(lone), Some(retry_in)) = (failed_as_down.first(), first_down_retry) {
                 if self.publish_streaks.wants_probe(group) {
                     if let Some(event) = batch.iter().find(|e| e.sequence_id == *lone) {
-                        self.probe_destination(group, event);
+                        self.probe_destination(group, event, retry_in);
                     }
                 }
             }
@@ -900,21 +902,30 @@ impl Engine {
     }
 
     /// Checks the health of the destination of `event`, failing alone in `group`, for the
-    /// next batch's judgement of what its failures spend (`streaks::wants_probe`). A check
-    /// that does not answer within a publish's timeout failed.
-    fn probe_destination(&self, group: u64, event: &Event) {
+    /// judgement of what its retry's failure spends (`streaks::wants_probe`): just before
+    /// that retry, due in `retry_in`. Checked right after the failure, a receiver that the
+    /// event itself knocks over (a payload that crashes it) was still restarting, the check
+    /// failed, and the event was spared for good; before the retry, a receiver that came
+    /// back passes, and the failure counts. A check that does not answer within a
+    /// publish's timeout failed; one that panics says nothing against the destination.
+    fn probe_destination(&self, group: u64, event: &Event, retry_in: Duration) {
         let check = self.publisher.health_of(event);
         let timeout = self.config.settings.publish_timeout;
         let verdicts = self.probe_verdicts.clone();
-        let started = std::time::Instant::now();
         tokio::spawn(
             async move {
-                let result = tokio::time::timeout(timeout, check).await;
-                let down = !matches!(result, Ok(Ok(())));
+                tokio::time::sleep(retry_in.mul_f64(0.9)).await;
+                let started = std::time::Instant::now();
+                let result = std::panic::AssertUnwindSafe(tokio::time::timeout(timeout, check))
+                    .catch_unwind()
+                    .await;
+                let down = match result {
+                    Ok(Ok(Ok(()))) | Err(_) => false,
+                    Ok(Ok(Err(_)) | Err(_)) => true,
+                };
                 tracing::debug!(
                     group,
                     down,
-                    ?result,
                     "checked a destination one event keeps failing at"
                 );
                 verdicts

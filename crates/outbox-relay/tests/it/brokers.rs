@@ -3,6 +3,7 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_testkit::eventually;
@@ -592,20 +593,39 @@ async fn outage_longer_than_the_retries(keys: [&str; 5], retries: f64) {
 /// A receiver that answers 503 to one event alone, on an otherwise quiet relay: the only
 /// failures its group sees are that event's, which is no evidence against the receiver, so
 /// each counts and the event is dead-lettered at its attempts. Any streak spared it, and it
-/// was retried for good, `/readyz` calling the receiver down.
+/// was retried for good, `/readyz` calling the receiver down. The event knocks the receiver
+/// over for a moment (its gateway answering 502): the health check that decides runs just
+/// before the retry, when it is back. Run right after the failure, it failed, and the event
+/// was spared for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_a_receiver_alone_refuses_is_dead_lettered_on_a_quiet_relay() {
     use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let receiver = listener.local_addr().unwrap();
+    // The poison knocks the receiver over: its gateway answers 502 for a moment after.
+    let knocked_over = Arc::new(std::sync::Mutex::new(None::<std::time::Instant>));
+    let checked_while_down = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let checks_seen = checked_while_down.clone();
     tokio::spawn(async move {
         while let Ok((mut socket, _)) = listener.accept().await {
+            let (knocked_over, checked_while_down) = (knocked_over.clone(), checks_seen.clone());
             tokio::spawn(async move {
                 let Some((_, body)) = crate::support::read_http_request(&mut socket).await else {
                     return;
                 };
+                let restarting = knocked_over
+                    .lock()
+                    .unwrap()
+                    .is_some_and(|at| at.elapsed() < Duration::from_millis(8));
+                if restarting {
+                    checked_while_down.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
                 let status = match String::from_utf8_lossy(&body).contains("poison") {
-                    true => "503 Service Unavailable",
+                    _ if restarting => "502 Bad Gateway",
+                    true => {
+                        *knocked_over.lock().unwrap() = Some(std::time::Instant::now());
+                        "503 Service Unavailable"
+                    }
                     false => "204 No Content",
                 };
                 let answer =
@@ -648,4 +668,10 @@ async fn an_event_a_receiver_alone_refuses_is_dead_lettered_on_a_quiet_relay() {
     let dead = relay(d, &["dead", "list", "--json"]);
     let listed = String::from_utf8_lossy(&dead.stdout);
     assert!(listed.contains("\"attempts\":3"), "{listed}");
+    // The retries come at least 10 ms after a failure (half the 20 ms base delay).
+    assert_eq!(
+        checked_while_down.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "a request reached the receiver while the poison had it down"
+    );
 }
