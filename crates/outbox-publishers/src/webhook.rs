@@ -46,8 +46,9 @@ pub struct WebhookConfig {
 pub struct WebhookSink {
     client: reqwest::Client,
     url: Arc<Template>,
-    /// The server the URL names, when no placeholder stands in its scheme, host or port.
-    origin: Option<reqwest::Url>,
+    /// What the health check asks, when no placeholder stands in the URL's scheme, host or
+    /// port ([`health_url`]).
+    health_url: Option<reqwest::Url>,
     shown: String,
     key: Option<Arc<Vec<u8>>>,
     /// The URL's password and the signing secret, scrubbed from what receivers answer.
@@ -123,6 +124,19 @@ fn origin(url: &Template) -> Option<&str> {
     Some(&text[..text.len() - rest.len() + end])
 }
 
+/// What a URL template's health check asks: its written-out text up to the first
+/// placeholder, without a query or fragment (`https://h/hooks/` of
+/// `https://h/hooks/{destination}?k=v`), so that a gateway that routes by path asks the
+/// receiver's backend, not whatever serves `/`; `None` where [`origin`] is.
+fn health_url(url: &Template) -> Option<&str> {
+    let origin = origin(url)?;
+    let text = url.leading_text();
+    let end = text[origin.len()..]
+        .find(['?', '#'])
+        .map_or(text.len(), |at| origin.len() + at);
+    Some(&text[..end])
+}
+
 fn url_escape(value: &str) -> String {
     percent_encoding::utf8_percent_encode(value, percent_encoding::NON_ALPHANUMERIC).to_string()
 }
@@ -147,6 +161,10 @@ impl WebhookSink {
                 })
             })
             .transpose()?;
+        let health_url = match (origin, health_url(&url)) {
+            (Some(origin), Some(path)) => Some(reqwest::Url::parse(path).unwrap_or(origin)),
+            _ => None,
+        };
         let secret = match &config.secret {
             Some(s) => Some(s.expose().to_string()),
             None => std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty()),
@@ -168,7 +186,7 @@ impl WebhookSink {
         Ok(WebhookSink {
             client: crate::http::client(&config.tls, config.timeout.get())?,
             url: Arc::new(url),
-            origin,
+            health_url,
             shown,
             key,
             secrets,
@@ -283,19 +301,20 @@ impl Sink for WebhookSink {
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
-        // A webhook endpoint has no standard health check: a HEAD request to its server
-        // shows that the server answers (any status will do, but a gateway's 502-504: a
-        // load balancer with no receiver behind it answers them), over TLS as configured.
-        // A host given by a placeholder is known per event only; failures surface there.
-        let Some(origin) = self.origin.clone() else {
+        // A webhook endpoint has no standard health check: a HEAD request to its URL, as
+        // far as it is written out, shows that the server answers (any status will do, but
+        // a gateway's 502-504: a load balancer with no receiver behind it answers them),
+        // over TLS as configured. A host given by a placeholder is known per event only;
+        // failures surface there.
+        let Some(url) = self.health_url.clone() else {
             return async { Ok(()) }.boxed();
         };
         let what = format!(
             "webhook server {} (check the host and port of the sink's URL, and that the \
              receiver is running)",
-            outbox_core::redact::redact_url(origin.as_str())
+            outbox_core::redact::redact_url(url.as_str())
         );
-        let request = self.client.head(origin);
+        let request = self.client.head(url);
         async move {
             let response = request
                 .send()
@@ -390,6 +409,21 @@ mod tests {
             ("http://h:{destination}/", None),
         ] {
             assert_eq!(origin(url).as_deref(), expected, "{url}");
+        }
+        let health_url = |url: &str| health_url(&Template::parse(url).unwrap()).map(str::to_string);
+        for (url, expected) in [
+            (
+                "https://h:8443/hooks/{destination}",
+                Some("https://h:8443/hooks/"),
+            ),
+            ("https://h/hook-{destination}/x", Some("https://h/hook-")),
+            ("http://h/in?to={destination}", Some("http://h/in")),
+            ("http://h/in#{destination}", Some("http://h/in")),
+            ("http://h", Some("http://h")),
+            ("http://h/events", Some("http://h/events")),
+            ("http://{destination}.example.com/", None),
+        ] {
+            assert_eq!(health_url(url).as_deref(), expected, "{url}");
         }
         let refused = WebhookSink::new("http://h:99999/{destination}", &WebhookConfig::default());
         assert!(refused.err().unwrap().to_string().contains("is no URL"));

@@ -725,18 +725,23 @@ async fn a_receiver_that_echoes_the_credentials_gets_none_into_the_error() {
     assert!(said.contains("ERR auth="), "{said}");
 }
 
-/// The webhook's health check is a HEAD to the receiver's server, any answer passing: but a
-/// load balancer or gateway with no receiver behind it answers 502-504, which is the
-/// receiver down. The check passed then, so an outbox of one key, whose head alone fails
-/// through such an outage, spent that event's attempts as if the receiver refused it.
+/// The webhook's health check is a HEAD to the receiver's URL as far as it is written out,
+/// any answer passing: but a load balancer or gateway with no receiver behind it answers
+/// 502-504, which is the receiver down. The check passed then, so an outbox of one key,
+/// whose head alone fails through such an outage, spent that event's attempts as if the
+/// receiver refused it. The gateway here routes by path, its `/` going nowhere (503): the
+/// check asks `/hooks/`, the receiver's, where asking the server's root failed for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_with_no_receiver_behind_it_fails_the_health_check() {
     use std::sync::atomic::{AtomicU16, Ordering};
     outbox_testkit::install_crypto();
     let status = Arc::new(AtomicU16::new(404));
     let answer = status.clone();
-    let app = axum::Router::new().fallback(move || {
-        let status = StatusCode::from_u16(answer.load(Ordering::SeqCst)).unwrap();
+    let app = axum::Router::new().fallback(move |uri: Uri| {
+        let status = match uri.path().starts_with("/hooks/") {
+            true => StatusCode::from_u16(answer.load(Ordering::SeqCst)).unwrap(),
+            false => StatusCode::SERVICE_UNAVAILABLE,
+        };
         async move { status }
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
