@@ -335,13 +335,26 @@ impl KafkaSink {
                 ),
                 e => SinkSetupError::config(format!("invalid Kafka settings: {e}")).with_source(e),
             })?;
+        // The resend has what is left of the send's `timeout` once the batch came back
+        // refused, at most half: the whole send stays within it, and so within
+        // `publish_timeout`. Past that, a record the engine gave up on could still land
+        // after the retry of its event, and after the key's next event.
+        let within = config.timeout.get() / 2;
         let mut solo = client.clone();
-        solo.set("batch.num.messages", "1").set("linger.ms", "0");
+        solo.set("batch.num.messages", "1")
+            .set("linger.ms", "0")
+            .set("message.timeout.ms", within.as_millis().max(1).to_string())
+            .set(
+                "topic.metadata.propagation.max.ms",
+                (within.as_millis() / 2).max(1).to_string(),
+            );
         Ok(KafkaSink {
             producer: std::sync::Mutex::new(producer),
             solo: Arc::new(SoloProducer {
                 client: solo,
                 producer: std::sync::Mutex::new(None),
+                within,
+                warned_at: std::sync::Mutex::new(None),
             }),
             client,
             shown: outbox_core::redact::redact_url(uri),
@@ -382,9 +395,41 @@ impl KafkaSink {
 struct SoloProducer {
     client: ClientConfig,
     producer: std::sync::Mutex<Option<RelayProducer>>,
+    /// How long after the send began the resend may start, and how long it may take.
+    within: Duration,
+    /// When a resend was last logged: one line a minute.
+    warned_at: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl SoloProducer {
+    /// The producer if it was ever made (to flush at shutdown).
+    fn existing(&self) -> Option<RelayProducer> {
+        self.producer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Says, once a minute at most, that batches are refused whole and sent again record by
+    /// record: slower, and mended by a setting.
+    fn warn_of_resend(&self, topic: &str, records: usize) {
+        let mut warned_at = self
+            .warned_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if warned_at.is_some_and(|at| at.elapsed() < Duration::from_secs(60)) {
+            return;
+        }
+        *warned_at = Some(std::time::Instant::now());
+        tracing::warn!(
+            topic,
+            records,
+            "the broker refused a record batch as larger than the topic's max.message.bytes; \
+             its records go again one per request, which is slower: set the sink's batch.size \
+             (under [sinks.NAME.kafka]) at or below the topic's max.message.bytes"
+        );
+    }
+
     /// The producer, made at the first need, and again after a fatal error.
     fn get(&self) -> Result<RelayProducer, KafkaError> {
         let mut slot = self
@@ -551,8 +596,7 @@ fn classify_delivery(error: KafkaError, topic: &str) -> PublishError {
             "kafka topic {topic:?} refused the record batch carrying this event as larger than \
              its max.message.bytes: set the sink's batch.size and message.max.bytes (under \
              [sinks.NAME.kafka]) at or below the topic's max.message.bytes, or raise the \
-             topic's; an event larger than that by itself is dead-lettered once its attempts \
-             run out"
+             topic's (its records could not be sent again one by one in time)"
         ),
     )
     .with_source(error)
@@ -595,6 +639,7 @@ impl Sink for KafkaSink {
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
         // Enqueue the whole batch, then await every delivery report.
         let producer = self.producer();
+        let began = std::time::Instant::now();
         let deliveries: Vec<_> = batch.iter().map(|r| produce(&producer, r)).collect();
         let solo = self.solo.clone();
         async move {
@@ -614,17 +659,21 @@ impl Sink for KafkaSink {
             if in_batches_too_large.is_empty() {
                 return outcomes;
             }
-            // Each again, alone in its request (`SoloProducer`).
-            let solo = match solo.get() {
-                Ok(solo) => solo,
-                Err(e) => {
+            // Each again, alone in its request (`SoloProducer`), while the send has time.
+            let resender = match began.elapsed() < solo.within {
+                true => solo.get().map_err(|e| {
                     tracing::warn!(error = %e, "could not make the Kafka producer that sends records one by one; the records of a batch refused as too large are retried as they were");
-                    for (i, failure) in in_batches_too_large {
-                        outcomes[i] = Err(failure.into_error(&batch[i].target));
-                    }
-                    return outcomes;
-                }
+                }),
+                false => Err(()),
             };
+            let Ok(resender) = resender else {
+                for (i, failure) in in_batches_too_large {
+                    outcomes[i] = Err(failure.into_error(&batch[i].target));
+                }
+                return outcomes;
+            };
+            solo.warn_of_resend(&batch[in_batches_too_large[0].0].target, in_batches_too_large.len());
+            let solo = resender;
             let resent = join_all(
                 in_batches_too_large
                     .iter()
@@ -672,14 +721,19 @@ impl Sink for KafkaSink {
     }
 
     fn close(&self) -> BoxFuture<'static, ()> {
-        let producer = self.producer();
+        let producers: Vec<RelayProducer> = std::iter::once(self.producer())
+            .chain(self.solo.existing())
+            .collect();
         let shown = self.shown.clone();
         async move {
-            let flushed =
-                tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(5))).await;
-            if let Ok(Err(e)) = flushed {
-                // Their events were not acked: they go out again at the next start.
-                tracing::warn!(sink = %shown, error = %e, "records still unconfirmed at shutdown; their events are not acked, and are sent again at the next start");
+            for producer in producers {
+                let flushed =
+                    tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(5)))
+                        .await;
+                if let Ok(Err(e)) = flushed {
+                    // Their events were not acked: they go out again at the next start.
+                    tracing::warn!(sink = %shown, error = %e, "records still unconfirmed at shutdown; their events are not acked, and are sent again at the next start");
+                }
             }
         }
         .boxed()

@@ -431,3 +431,46 @@ mod tansu {
         outbox_testkit::publisher::redelivery_carries_the_same_event_id(&harness).await;
     }
 }
+
+/// A batch refused as too large after more than half the send's `timeout` (a slow broker)
+/// is not sent again record by record: that resend could outlast `publish_timeout`, the
+/// engine then give up on the record and retry it, and the stale copy land after the
+/// retry, or after the key's next event. It is retried as it was, naming the settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_refused_too_late_for_a_resend_in_time_is_retried_naming_the_settings() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let cluster = MockCluster::new(1).unwrap();
+    let topic = format!("orders-{}", uuid::Uuid::new_v4().simple());
+    cluster.create_topic(&topic, 1, 1).unwrap();
+    let config: SinkConfig = serde_json::from_value(serde_json::json!({
+        "uri": format!("kafka://{}", cluster.bootstrap_servers()),
+        "timeout": "4s",
+    }))
+    .unwrap();
+    let sink = outbox_publishers::build_sink("kafka", &config)
+        .await
+        .unwrap();
+    let routed = |id: i64| outbox_publishers::Routed {
+        cloudevents: None,
+        event: outbox_testkit::publisher::event(id, "k", b"{}".to_vec()),
+        target: topic.clone(),
+    };
+    assert!(sink.send(vec![routed(1)]).await[0].is_ok());
+    cluster
+        .broker_round_trip_time(1, Duration::from_millis(2500))
+        .unwrap();
+    cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
+    );
+    let err = sink
+        .send(vec![routed(2)])
+        .await
+        .remove(0)
+        .expect_err("refused, with no time left to send it alone");
+    assert!(
+        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("batch.size"), "{err}");
+}
