@@ -720,6 +720,11 @@ impl Sink for KafkaSink {
         Some(self.max_message_bytes)
     }
 
+    /// librdkafka's `message.max.bytes`, which the sink sets.
+    fn limit_is_fixed(&self) -> bool {
+        true
+    }
+
     fn close(&self) -> BoxFuture<'static, ()> {
         let producers: Vec<RelayProducer> = std::iter::once(self.producer())
             .chain(self.solo.existing())

@@ -42,6 +42,26 @@ pub use template::Template;
 /// background, so a broker that is down at start delays delivery but not the relay.
 pub async fn build_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
     let sink = connect_sink(name, config).await?;
+    if let (Some(set), Some(fixed), true) = (
+        config.max_message_bytes(),
+        sink.max_message_bytes(),
+        sink.limit_is_fixed(),
+    ) {
+        if set > fixed {
+            // The sink refuses what is over its own limit anyway, as its own error.
+            let how = match config.settings() {
+                #[cfg(feature = "kafka")]
+                SinkSettings::Kafka(_) => {
+                    "raise the producer's message.max.bytes under [sinks.NAME.kafka] instead"
+                }
+                _ => "the service takes no more",
+            };
+            return Err(SinkSetupError::config(format!(
+                "`max_message_bytes` = {set} is above the {fixed} bytes this sink can send \
+                 ({how}): lower it, or leave it out"
+            )));
+        }
+    }
     Ok(match config.max_message_bytes() {
         Some(limit) => Arc::new(sink::Limited {
             inner: sink,

@@ -52,6 +52,13 @@ pub trait Sink: Send + Sync + 'static {
         None
     }
 
+    /// Whether [`Sink::max_message_bytes`] is fixed (a service's limit, or the sink's own
+    /// setting), not learned from a broker that may take more: a sink's `max_message_bytes`
+    /// above a fixed limit cannot apply, and is refused.
+    fn limit_is_fixed(&self) -> bool {
+        false
+    }
+
     fn close(&self) -> BoxFuture<'static, ()> {
         Box::pin(async {})
     }

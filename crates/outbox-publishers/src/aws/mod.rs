@@ -176,6 +176,11 @@ impl<A: BatchApi> Sink for AwsSink<A> {
         Some(A::MAX_MESSAGE_BYTES)
     }
 
+    /// The service's own limit.
+    fn limit_is_fixed(&self) -> bool {
+        true
+    }
+
     fn messaging_system(&self) -> Option<&'static str> {
         Some(A::SYSTEM)
     }

@@ -1813,3 +1813,41 @@ fn a_kafka_broker_that_refuses_connections_is_reported_once_an_attempt() {
     assert!(said.contains("Connection refused"), "{said}");
     assert!(!said.contains("Global error"), "{said}");
 }
+
+/// A sink's `max_message_bytes` above what the sink can ever send (librdkafka's
+/// `message.max.bytes`, a service's limit) was taken, and each event between the two was
+/// refused anyway by the sink's own check, its error naming neither setting.
+#[test]
+fn a_max_message_bytes_above_the_sinks_own_limit_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for (sink, fix) in [
+        (
+            "uri = \"kafka://127.0.0.1:9\"\nmax_message_bytes = 3000000\n",
+            "message.max.bytes",
+        ),
+        (
+            "uri = \"sns:\"\nregion = \"us-east-1\"\nmax_message_bytes = 5000000\n",
+            "the service takes no more",
+        ),
+    ] {
+        std::fs::write(
+            dir.path().join("big.toml"),
+            format!("[sinks.main]\n{sink}[[routes]]\ndestinations = \"*\"\nsink = \"main\"\n"),
+        )
+        .unwrap();
+        let out = relay(
+            dir.path(),
+            &["--config", "big.toml", "check"],
+            &[
+                ("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE"),
+                ("AWS_SECRET_ACCESS_KEY", "x"),
+            ],
+        );
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+        assert_eq!(out.status.code(), Some(2), "{sink}: {said}");
+        assert!(
+            said.contains("max_message_bytes") && said.contains(fix),
+            "{sink}: {said}"
+        );
+    }
+}
