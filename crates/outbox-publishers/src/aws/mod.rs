@@ -787,14 +787,24 @@ pub fn classify(status: Option<u16>, code: &str, message: &str, what: &str) -> P
         {
             Unavailable
         }
+        // `InvalidAddress`: a queue URL of another region or account than the endpoint's,
+        // the route's target as wrong as a missing queue (it dead-lettered every event).
         "QueueDoesNotExist"
         | "NonExistentQueue"
         | "NotFound"
         | "NotFoundException"
-        | "ResourceNotFoundException" => MissingTarget,
+        | "ResourceNotFoundException"
+        | "InvalidAddress" => MissingTarget,
+        // An endpoint that does not speak this service's API (a wrong `endpoint`, a
+        // stand-in without it): the sink's condition, whatever the event.
+        "UnsupportedOperation"
+        | "UnknownOperationException"
+        | "InvalidAction" => Unavailable,
         "BatchRequestTooLong" | "RequestEntityTooLarge" | "RequestEntityTooLargeException" => {
             TooLarge
         }
+        // A queue whose `MaximumMessageSize` is below SQS's own limit.
+        "InvalidParameterValue" if message.contains("must be shorter than") => TooLarge,
         "AccessDenied"
         | "AccessDeniedException"
         | "AuthorizationError"
@@ -850,10 +860,38 @@ pub fn classify(status: Option<u16>, code: &str, message: &str, what: &str) -> P
     } else {
         short.to_string()
     };
-    let detail: String = message.chars().take(300).collect();
-    let hint = match kind {
-        MissingTarget => ": create it, or fix the route's target",
-        Unauthorized => ": check the relay's credentials and its IAM policy",
+    // A refused signature quotes the request it expected, session token header and all:
+    // what follows is never shown.
+    let said = ["The Canonical String", "The String-to-Sign"]
+        .iter()
+        .filter_map(|quoted| message.find(quoted))
+        .min()
+        .map_or(message, |at| &message[..at]);
+    let detail: String = said.trim_end().chars().take(300).collect();
+    let hint = match (kind, short) {
+        (_, "InvalidAddress") => {
+            ": the queue URL's region and account must be the sink's (its `region` and \
+             `endpoint`); fix the route's target, or the sink's region"
+        }
+        (_, "ExpiredToken" | "ExpiredTokenException") => {
+            ": temporary credentials from the environment or a profile cannot be renewed by \
+             the relay: give it fresh ones and restart it, or use a role (web identity, \
+             container or instance credentials), which it renews"
+        }
+        (_, "RequestExpired" | "RequestTimeTooSkewed") => {
+            ": the host's clock is off: check its time synchronisation (NTP)"
+        }
+        (_, "InvalidSignatureException" | "SignatureDoesNotMatch") if kind == Unavailable => {
+            ": the host's clock is off: check its time synchronisation (NTP)"
+        }
+        (_, "UnsupportedOperation" | "UnknownOperationException" | "InvalidAction") => {
+            ": the sink's endpoint does not serve this API: check its `endpoint` and URI"
+        }
+        (_, "InvalidParameterValue") if kind == TooLarge => {
+            ": raise the queue's MaximumMessageSize, or set the sink's max_message_bytes to it"
+        }
+        (MissingTarget, _) => ": create it, or fix the route's target",
+        (Unauthorized, _) => ": check the relay's credentials and its IAM policy",
         _ => "",
     };
     PublishError::new(kind, format!("{what} refused: {shown}: {detail}{hint}"))
@@ -1255,6 +1293,56 @@ mod tests {
             entry_error("InvalidParameterValue", "m", Some(true), "x").disposition(),
             Disposition::Permanent
         );
+        // The reviewer's findings: a queue URL of another region, an endpoint that is no
+        // SQS, a queue's own smaller size limit, credentials that cannot be renewed, a
+        // clock off, each named with its fix, none dead-lettering every event.
+        for (code, message, expected, says) in [
+            (
+                "InvalidAddress",
+                "The address https://sqs.eu-west-1.amazonaws.com/1/q is not valid for this endpoint.",
+                PublishErrorKind::MissingTarget,
+                "region and account",
+            ),
+            (
+                "UnknownOperationException",
+                "",
+                PublishErrorKind::Unavailable,
+                "endpoint",
+            ),
+            (
+                "InvalidParameterValue",
+                "One or more parameters are invalid. Reason: Message must be shorter than 262144 bytes.",
+                PublishErrorKind::TooLarge,
+                "MaximumMessageSize",
+            ),
+            (
+                "ExpiredToken",
+                "The security token included in the request is expired",
+                PublishErrorKind::Unavailable,
+                "restart",
+            ),
+            (
+                "RequestTimeTooSkewed",
+                "The difference between the request time and the current time is too large.",
+                PublishErrorKind::Unavailable,
+                "NTP",
+            ),
+        ] {
+            let error = classify(Some(400), code, message, "SQS x");
+            assert_eq!(error.kind(), expected, "{code}: {error}");
+            assert!(error.to_string().contains(says), "{code}: {error}");
+        }
+        let quoted = classify(
+            Some(403),
+            "SignatureDoesNotMatch",
+            "The request signature we calculated does not match the signature you provided.\n\n\
+             The Canonical String for this request should have been\n'POST\n/\n\n\
+             x-amz-security-token:IQoJb3JpZ2luX2VjEXAMPLETOKEN\n'",
+            "SQS x",
+        )
+        .to_string();
+        assert!(!quoted.contains("IQoJb3JpZ2luX2VjEXAMPLETOKEN"), "{quoted}");
+        assert!(quoted.contains("does not match"), "{quoted}");
         let missing = classify(Some(400), "QueueDoesNotExist", "gone", "SQS x").to_string();
         assert!(
             missing.contains("create it, or fix the route's target"),

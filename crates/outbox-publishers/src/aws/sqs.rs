@@ -118,9 +118,12 @@ impl BatchApi for Sqs {
     ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
         async move {
             let count = entries.len();
+            // The lookup is about no one entry: each fails with it, and the batch is not
+            // sent again entry by entry (a lookup refused as permanent was repeated once
+            // per entry, each then dead-lettered).
             let url = match self.queue_url(&target).await {
                 Ok(url) => url,
-                Err(error) => return Err(error),
+                Err(error) => return Ok(crate::sink::fail_n(count, &error)),
             };
             let request = Batch {
                 queue_url: &url,

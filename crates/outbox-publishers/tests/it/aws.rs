@@ -742,3 +742,48 @@ fn settings_that_cannot_apply_are_refused() {
     let e = aws::sink(&config, &no_region).err().unwrap().to_string();
     assert!(e.contains("no AWS region for the SNS sink"), "{e}");
 }
+
+/// The queue's URL lookup (`GetQueueUrl`) refused as permanent: the batch was sent again
+/// entry by entry, the lookup repeated for each, and every event dead-lettered. The lookup
+/// is about no one entry: each fails with it, once. (A stand-in server here, since the
+/// answer is one moto does not give; it is SQS's JSON protocol error, as SQS words it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_queue_lookup_is_asked_once_not_once_per_event() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    outbox_testkit::install_crypto();
+    let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", server.local_addr().unwrap());
+    let requests = Arc::new(AtomicUsize::new(0));
+    let counted = requests.clone();
+    tokio::spawn(async move {
+        let body = r#"{"__type":"com.amazonaws.sqs#InvalidParameterValue","message":"Value q! for parameter QueueName is invalid."}"#;
+        while let Ok((mut stream, _)) = server.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let mut request = vec![0u8; 64 * 1024];
+            let _ = stream.read(&mut request).await;
+            let answer = format!(
+                "HTTP/1.1 400 Bad Request\r\ncontent-type: application/x-amz-json-1.0\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(answer.as_bytes()).await;
+        }
+    });
+    let config: SinkConfig =
+        serde_json::from_value(json!({ "uri": "sqs:", "endpoint": endpoint })).unwrap();
+    let sink = aws::sink(&config, &env).unwrap();
+    let batch = [
+        event(1, "a", b"{}".to_vec()),
+        event(2, "b", b"{}".to_vec()),
+        event(3, "c", b"{}".to_vec()),
+    ];
+    let outcomes = sink.send(routed("q!", &batch)).await;
+    for outcome in outcomes {
+        let error = outcome.expect_err("the lookup was refused");
+        assert!(
+            error.to_string().contains("InvalidParameterValue"),
+            "{error}"
+        );
+    }
+    assert_eq!(requests.load(Ordering::SeqCst), 1, "GetQueueUrl asked once");
+}
