@@ -171,11 +171,12 @@ impl PublishStreaks {
 
     /// `group`'s health check, started at `started`, found its destination `down` (or
     /// not). A verdict of a check started before the group's streak began says nothing
-    /// of it; one for a group with no streak now is dropped.
+    /// of it (and leaves the streak's own check running); one for a group with no streak
+    /// now is dropped.
     pub fn probed(&mut self, group: u64, started: Instant, down: bool) {
         if let Some(streak) = self.groups.get_mut(&group) {
-            streak.probing = false;
             if started >= streak.since {
+                streak.probing = false;
                 streak.verdict = Some((started, down));
             }
         }
@@ -417,12 +418,21 @@ mod tests {
         assert!(streaks.is_empty());
         let again = t0 + Duration::from_secs(2);
         streaks.batch(1, false, (Some("503".into()), &[9]), again);
+        assert!(streaks.wants_probe(1));
         streaks.probed(1, t0, true);
         assert_eq!(
             streaks.attempt(1, (false, DOWN, 1), again + Duration::from_secs(1), RECENT),
             Attempt::Counted
         );
-        assert!(streaks.wants_probe(1));
+        assert!(
+            !streaks.wants_probe(1),
+            "the new streak's own check still runs"
+        );
+        streaks.probed(1, again, true);
+        assert!(matches!(
+            streaks.attempt(1, (false, DOWN, 1), again + Duration::from_secs(1), RECENT),
+            Attempt::InOutage { .. }
+        ));
     }
 
     /// A failure that may be the event's own (an HTTP 500, a missing route) counts even in
