@@ -140,9 +140,11 @@ pub enum DeadCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Move dead letters back into the outbox, attempts reset, to be published again.
+    /// Move dead letters back into the outbox, attempts reset, to be published again. Exits 1
+    /// when an id given names no dead letter, or a row stays dead (its event id is in the
+    /// outbox again).
     Retry(DeadSelectArgs),
-    /// Delete dead letters.
+    /// Delete dead letters. Exits 1 when an id given names no dead letter.
     Purge(DeadSelectArgs),
 }
 
@@ -335,7 +337,8 @@ pub struct SendArgs {
     /// Mutation id, as in the Ably connector.
     #[arg(long, value_name = "ID")]
     pub mutation_id: Option<String>,
-    /// The payload, as JSON (for text, quote it: '"hello"').
+    /// The payload, as JSON (for text, quote it: '"hello"'); `-` reads it from standard
+    /// input, `@FILE` from a file (a payload too long for a command line).
     #[arg(value_name = "PAYLOAD_JSON")]
     pub payload: String,
 }

@@ -390,7 +390,27 @@ async fn check_database(config: &Config) -> anyhow::Result<DatabaseCheck> {
     })
 }
 
-pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
+pub async fn send(config: Config, mut args: SendArgs) -> anyhow::Result<ExitCode> {
+    // A command line holds about 128 KiB: a larger payload comes from a file or stdin.
+    let read = match args.payload.as_str() {
+        "-" => Some(("standard input", std::io::read_to_string(std::io::stdin()))),
+        path if path.starts_with('@') => Some((&path[1..], std::fs::read_to_string(&path[1..]))),
+        _ => None,
+    };
+    if let Some((from, text)) = read {
+        args.payload = text.map_err(|e| {
+            crate::error::config_error(format!(
+                "cannot read the payload from {from}: {e} (it must be UTF-8 JSON text)"
+            ))
+        })?;
+    }
+    // Given twice, a header's first value was dropped without a word.
+    let mut names = std::collections::HashSet::new();
+    if let Some((name, _)) = args.headers.iter().find(|(name, _)| !names.insert(name)) {
+        return Err(crate::error::config_error(format!(
+            "header {name:?} is given more than once: give each header once"
+        )));
+    }
     if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(&args.payload) {
         return Err(crate::error::config_error(format!(
             "the payload is not valid JSON ({e}); quote text as JSON, e.g. '\"hello\"', or send an object like '{{\"id\": 1}}'"

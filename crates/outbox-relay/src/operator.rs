@@ -121,8 +121,9 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
         }
         DeadCommand::Retry(args) => {
             let selector = selector(args);
+            let asked = ids_asked(&selector);
             let total = match &selector {
-                DeadSelector::Ids(ids) => ids.len() as u64,
+                DeadSelector::Ids(_) => asked,
                 DeadSelector::Destination(d) => dead_count(&*ops, Some(d)).await?,
                 DeadSelector::All => dead_count(&*ops, None).await?,
             };
@@ -132,13 +133,48 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
                 .map_err(store_error)?;
             progress.finish();
             outln!("{}", retried_text(done));
+            // Rows left dead, or ids that named no dead letter: a script that retried
+            // twice, or a mistyped id, was told all was well.
+            let unmatched = asked.saturating_sub(done.moved + done.left);
+            if unmatched > 0 {
+                eprintln!("{}", not_dead_text(unmatched));
+            }
+            if unmatched > 0 || done.left > 0 {
+                return Ok(ExitCode::FAILURE);
+            }
         }
         DeadCommand::Purge(args) => {
-            let n = ops.dead_purge(selector(args)).await.map_err(store_error)?;
+            let selector = selector(args);
+            let asked = ids_asked(&selector);
+            let n = ops.dead_purge(selector).await.map_err(store_error)?;
             outln!("{}", purged_text(n));
+            let unmatched = asked.saturating_sub(n);
+            if unmatched > 0 {
+                eprintln!("{}", not_dead_text(unmatched));
+                return Ok(ExitCode::FAILURE);
+            }
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// How many distinct ids a selector names (none for a destination or all).
+fn ids_asked(selector: &DeadSelector) -> u64 {
+    match selector {
+        DeadSelector::Ids(ids) => {
+            ids.iter().collect::<std::collections::BTreeSet<_>>().len() as u64
+        }
+        _ => 0,
+    }
+}
+
+/// What `dead retry` and `dead purge` say of ids given that named no dead letter.
+fn not_dead_text(unmatched: u64) -> String {
+    format!(
+        "{unmatched} of the ids given named no dead letter (no such id, an event still in the \
+         outbox, or one already retried or purged): `outbox-relay dead list` shows the dead \
+         letters, `outbox-relay stats` what is pending"
+    )
 }
 
 /// How many dead letters `dead retry` moves in one statement.
@@ -157,7 +193,11 @@ pub(crate) async fn dead_retry_in_pages(
     mut on_page: impl FnMut(u64),
 ) -> outbox_core::store::StoreResult<DeadRetried> {
     let destination = match &selector {
-        DeadSelector::Ids(_) => return ops.dead_retry(selector).await,
+        DeadSelector::Ids(_) => {
+            let done = ops.dead_retry(selector).await?;
+            on_page(done.moved + done.left);
+            return Ok(done);
+        }
         DeadSelector::Destination(d) => Some(d.clone()),
         DeadSelector::All => None,
     };

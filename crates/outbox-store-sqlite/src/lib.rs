@@ -926,6 +926,14 @@ impl OutboxStore for SqliteStore {
                     problems.extend(verify_outbox_columns(conn)?);
                 }
             }
+            // A database the relay may read but not write: `check` said ok, and `run`
+            // failed at once on its first write.
+            if let Some(why) = unwritable(conn) {
+                problems.push(Problem::blocking(
+                    format!("the relay cannot write the database: {why}"),
+                    READ_ONLY_HINT,
+                ));
+            }
             Ok(problems)
         })
     }
@@ -933,6 +941,31 @@ impl OutboxStore for SqliteStore {
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
         let path = self.path.clone();
         Some(watch_data_version(path, on_change).boxed())
+    }
+}
+
+/// Why `conn` cannot write its database, if it cannot: opened read-only (SQLite falls back
+/// to that for a file its user may not write, and `mode=ro` asks for it), or refused the
+/// write lock a relay's first write takes. Nothing is written.
+fn unwritable(conn: &Connection) -> Option<String> {
+    if conn.is_readonly(rusqlite::MAIN_DB).unwrap_or(false) {
+        return Some("it is open read-only".into());
+    }
+    match conn.execute_batch("BEGIN IMMEDIATE; ROLLBACK") {
+        Ok(()) => None,
+        // A relay writing meanwhile holds the lock: the database is writable.
+        Err(rusqlite::Error::SqliteFailure(f, _))
+            if matches!(
+                f.code,
+                rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+            ) =>
+        {
+            None
+        }
+        Err(e) => {
+            let _ = conn.execute_batch("ROLLBACK");
+            Some(e.to_string())
+        }
     }
 }
 

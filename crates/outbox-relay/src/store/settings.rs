@@ -205,6 +205,19 @@ impl DatabaseSettings {
             if path.is_empty() {
                 bail!("database URL `sqlite:` needs a file path, e.g. sqlite:outbox.db");
             }
+            // Each process would have a database of its own, gone when it exits: `send`
+            // said it inserted an event no relay could ever read.
+            let query = path.split_once('?').map_or("", |(_, query)| query);
+            if path == ":memory:"
+                || path.starts_with("file::memory:")
+                || query.split('&').any(|p| p == "mode=memory")
+            {
+                bail!(
+                    "database URL {url:?} is an in-memory SQLite database, which lives only \
+                     inside one process: what `send` writes there no relay can read, and a \
+                     relay's is gone when it stops; give a file, e.g. sqlite:outbox.db"
+                );
+            }
             // sqlx writes parameters after the path (`sqlite://app.db?mode=rwc`); SQLite
             // reads them only in a `file:` URI, and took the rest for the file's name.
             if path.contains('?') && !path.starts_with("file:") {

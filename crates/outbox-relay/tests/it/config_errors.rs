@@ -1851,3 +1851,126 @@ fn a_max_message_bytes_above_the_sinks_own_limit_is_refused() {
         );
     }
 }
+
+/// An in-memory SQLite database lives inside one process: `send` said it inserted an event
+/// that no relay could ever read, and `migrate` and `run` reported success on nothing.
+#[test]
+fn an_in_memory_sqlite_database_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for url in [
+        "sqlite::memory:",
+        "sqlite:file::memory:?cache=shared",
+        "sqlite:file:outbox.db?mode=memory",
+    ] {
+        for command in [&["send", "--destination", "d", "{}"][..], &["migrate"][..]] {
+            let args: Vec<&str> = command
+                .iter()
+                .copied()
+                .chain(["--database-url", url])
+                .collect();
+            refused(
+                relay(dir.path(), &args, &[]),
+                "in-memory SQLite",
+                "give a file",
+            );
+        }
+    }
+}
+
+/// A database the relay may read but not write (here opened `mode=ro`, as SQLite opens a
+/// file its user may not write): `check` said ok, and `run` failed on its first write.
+#[test]
+fn check_fails_a_sqlite_database_the_relay_cannot_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let migrated = relay(dir.path(), &["migrate"], &[]);
+    assert!(migrated.status.success(), "{}", stderr(&migrated));
+    let out = relay(
+        dir.path(),
+        &["check", "--database-url", "sqlite:file:outbox.db?mode=ro"],
+        &[],
+    );
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("the relay cannot write the database") && said.contains("chmod"),
+        "{said}"
+    );
+    let writable = relay(dir.path(), &["check"], &[]);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&writable.stdout),
+        stderr(&writable)
+    );
+    assert!(!said.contains("cannot write"), "{said}");
+}
+
+/// `send` of a payload too long for a command line (about 128 KiB) could not be done at all:
+/// `-` reads it from stdin, `@FILE` from a file. A header given twice lost its first value
+/// without a word; it is refused.
+#[test]
+fn send_reads_a_large_payload_from_a_file_or_stdin_and_refuses_a_header_twice() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let big = format!("{{\"blob\": \"{}\"}}", "x".repeat(512 * 1024));
+    std::fs::write(d.join("payload.json"), &big).unwrap();
+    let from_file = relay(d, &["send", "--destination", "d", "@payload.json"], &[]);
+    assert!(from_file.status.success(), "{}", stderr(&from_file));
+    let mut child = Command::new(BIN)
+        .args(["send", "--destination", "d", "-"])
+        .current_dir(d)
+        .env_remove("DATABASE_URL")
+        .env_remove("OUTBOX_RELAY_DATABASE_URL")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(big.as_bytes())
+        .unwrap();
+    let from_stdin = child.wait_with_output().unwrap();
+    assert!(from_stdin.status.success(), "{}", stderr(&from_stdin));
+    let drained = relay(
+        d,
+        &[
+            "run",
+            "--drain",
+            "--http-addr",
+            "",
+            "--sink",
+            "file:out.jsonl",
+        ],
+        &[],
+    );
+    assert!(drained.status.success(), "{}", stderr(&drained));
+    let out = std::fs::read_to_string(d.join("out.jsonl")).unwrap();
+    assert_eq!(out.lines().count(), 2);
+    assert!(out.lines().all(|l| l.len() > 512 * 1024), "payloads cut");
+    refused(
+        relay(d, &["send", "--destination", "d", "@missing.json"], &[]),
+        "cannot read the payload from missing.json",
+        "UTF-8 JSON",
+    );
+    refused(
+        relay(
+            d,
+            &[
+                "send",
+                "--destination",
+                "d",
+                "--header",
+                "a=b",
+                "--header",
+                "a=c",
+                "{}",
+            ],
+            &[],
+        ),
+        "header \"a\" is given more than once",
+        "give each header once",
+    );
+}

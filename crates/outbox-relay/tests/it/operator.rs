@@ -11,12 +11,7 @@ use outbox_testkit::eventually;
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 
 fn relay(dir: &Path, args: &[&str]) -> Output {
-    let out = Command::new(BIN)
-        .args(args)
-        .current_dir(dir)
-        .env_remove("DATABASE_URL")
-        .output()
-        .unwrap();
+    let out = relay_whatever(dir, args);
     assert!(
         out.status.success(),
         "outbox-relay {args:?} failed: {}",
@@ -25,14 +20,19 @@ fn relay(dir: &Path, args: &[&str]) -> Output {
     out
 }
 
-/// `run --drain`, whatever its exit code.
-fn drain(dir: &Path) -> Output {
+/// The relay run with `args`, whatever its exit code.
+fn relay_whatever(dir: &Path, args: &[&str]) -> Output {
     Command::new(BIN)
-        .args(["run", "--drain"])
+        .args(args)
         .current_dir(dir)
         .env_remove("DATABASE_URL")
         .output()
         .unwrap()
+}
+
+/// `run --drain`, whatever its exit code.
+fn drain(dir: &Path) -> Output {
+    relay_whatever(dir, &["run", "--drain"])
 }
 
 fn stdout(out: &Output) -> String {
@@ -122,6 +122,21 @@ sink = "out"
     );
 
     assert!(stdout(&relay(d, &["dead", "retry", "--destination", "nowhere"])).contains("moved 1"));
+    // The same id again (a script that retried twice), and an id that names nothing: each
+    // was "moved 0" with exit 0, the operator told all was well.
+    let id = dead["sequence_id"].to_string();
+    for command in [
+        ["dead", "retry", "--id", &id],
+        ["dead", "purge", "--id", "999999"],
+    ] {
+        let out = relay_whatever(d, &command);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{command:?}: {said}");
+        assert!(
+            said.contains("1 of the ids given named no dead letter"),
+            "{said}"
+        );
+    }
     let stats: serde_json::Value =
         serde_json::from_slice(&relay(d, &["stats", "--json"]).stdout).unwrap();
     assert_eq!(
