@@ -281,16 +281,24 @@ fn sql_error(context: &str, error: rusqlite::Error) -> StoreError {
         error.sqlite_error_code(),
         Some(ErrorCode::ReadOnly | ErrorCode::PermissionDenied)
     );
-    let cannot_open = error.sqlite_error_code() == Some(ErrorCode::CannotOpen);
+    let code = error.sqlite_error_code();
     let e = StoreError::new(kind, format!("{context}: {error}")).with_source(error);
     if read_only {
         e.with_hint(READ_ONLY_HINT)
-    } else if cannot_open {
+    } else if code == Some(ErrorCode::CannotOpen) {
         e.with_hint(CANNOT_OPEN_HINT)
+    } else if code == Some(ErrorCode::NotADatabase) {
+        // Its fix named "the configuration value named in the message", which named none.
+        e.with_hint(NOT_A_DATABASE_HINT)
     } else {
         e
     }
 }
+
+/// The fix for a file that is no SQLite database.
+const NOT_A_DATABASE_HINT: &str = "the file is not an SQLite database (or is corrupt, or \
+    encrypted): point database_url (--database-url, DATABASE_URL) at the outbox's database, \
+    sqlite:PATH";
 
 /// The fix for a database file SQLite can neither open nor create.
 const CANNOT_OPEN_HINT: &str = "the file cannot be opened or created there: check that its \

@@ -1974,3 +1974,26 @@ fn send_reads_a_large_payload_from_a_file_or_stdin_and_refuses_a_header_twice() 
         "give each header once",
     );
 }
+
+/// A file that is no SQLite database: the fix said "fix the configuration value named in
+/// the message", which named none.
+#[test]
+fn a_file_that_is_no_sqlite_database_is_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("notes.db"),
+        "hello, these are notes\n".repeat(100),
+    )
+    .unwrap();
+    let out = relay(
+        dir.path(),
+        &["check", "--database-url", "sqlite:notes.db"],
+        &[],
+    );
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("not an SQLite database") && said.contains("--database-url"),
+        "{said}"
+    );
+}
