@@ -275,7 +275,7 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
             misconfigured = true;
             outln!("problem: {e:#}");
         }
-        _ => outln!("ok: configuration is valid ({config:?})"),
+        _ => outln!("ok: configuration is valid\n{}", config.summary()),
     }
     // Opened, a mistyped path became a new database that `check` told to migrate: said,
     // and the sinks are checked all the same.

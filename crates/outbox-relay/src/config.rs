@@ -119,6 +119,69 @@ impl std::fmt::Debug for RelaySettings {
     }
 }
 
+/// A lowercase name of a settings enum, as the settings file writes it.
+fn lower(value: impl std::fmt::Debug) -> String {
+    format!("{value:?}").to_lowercase()
+}
+
+impl Config {
+    /// What `check` says of the configuration in effect: the settings an operator looks
+    /// for, readable, with no secret (the database URL redacted, sinks by name or redacted
+    /// URI, the admin token only as present). It printed `Config { database: … }`.
+    pub fn summary(&self) -> String {
+        let database = &self.database;
+        let tables = database.layout_tables();
+        let sinks = match (
+            &self.relay.sink,
+            self.relay.sinks.keys().collect::<Vec<_>>(),
+        ) {
+            (Some(uri), _) => redact_url(uri),
+            (None, names) if names.is_empty() => "stdout".to_string(),
+            (None, names) => names
+                .iter()
+                .map(|n| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        };
+        let engine = &self.engine;
+        let retry = &engine.retry;
+        let http = &self.http;
+        let token = match http.admin_token.is_some() || http.admin_token_file.is_some() {
+            true => "an admin token required",
+            false => "no admin token: the admin API is read-only",
+        };
+        let http = match http.http_addr.trim() {
+            "" => "off".to_string(),
+            addr => format!("{addr} ({token})"),
+        };
+        format!(
+            "    database: {} (layout {}, capture {}, table {}{})\n    sinks: {sinks} \
+             (ordering {}{})\n    claims of {} rows, at most {} in flight, lease {:?}, publish \
+             timeout {:?}; up to {} attempts, {:?} to {:?} apart\n    http: {http}",
+            redact_url(&database.database_url),
+            database.layout,
+            lower(database.capture),
+            tables.outbox_table,
+            match database.retain_delivered {
+                true => ", delivered rows kept",
+                false => "",
+            },
+            lower(self.relay.ordering),
+            match &self.relay.node_id {
+                Some(node) => format!(", node {node}"),
+                None => String::new(),
+            },
+            engine.batch_size,
+            engine.max_in_flight,
+            engine.lease,
+            engine.publish_timeout,
+            retry.max_attempts,
+            retry.base_delay,
+            retry.max_delay,
+        )
+    }
+}
+
 /// Every setting: each part's struct flattened, so that its fields are top-level keys.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]

@@ -899,6 +899,13 @@ fn check_shows_no_secret_of_a_sink_uri() {
         let shown = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
         assert!(shown.contains("configuration is valid"), "{shown}");
         assert!(!shown.contains("s3cr3t"), "{sink}: {shown}");
+        // Readable: it printed the settings as a Rust debug dump, `Config { database: … }`.
+        assert!(
+            shown.contains("database: sqlite:outbox.db (layout native, capture poll")
+                && shown.contains("sinks: ")
+                && !shown.contains("Config {"),
+            "{shown}"
+        );
     }
 }
 
