@@ -130,7 +130,7 @@ impl Config {
     /// URI, the admin token only as present). It printed `Config { database: … }`.
     pub fn summary(&self) -> String {
         let database = &self.database;
-        let tables = database.layout_tables();
+        let (outbox, nodes) = database.shown_tables();
         let sinks = match (
             &self.relay.sink,
             self.relay.sinks.keys().collect::<Vec<_>>(),
@@ -155,13 +155,12 @@ impl Config {
             addr => format!("{addr} ({token})"),
         };
         format!(
-            "    database: {} (layout {}, capture {}, table {}{})\n    sinks: {sinks} \
+            "    database: {} (layout {}, capture {}, tables {outbox} and {nodes}{})\n    sinks: {sinks} \
              (ordering {}{})\n    claims of {} rows, at most {} in flight, lease {:?}, publish \
              timeout {:?}; up to {} attempts, {:?} to {:?} apart\n    http: {http}",
-            redact_url(&database.database_url),
+            database.shown_url(),
             database.layout,
             lower(database.capture),
-            tables.outbox_table,
             match database.retain_delivered {
                 true => ", delivered rows kept",
                 false => "",

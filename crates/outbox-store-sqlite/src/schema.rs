@@ -3,6 +3,7 @@
 
 use outbox_core::migration::{Found, Lock, Run, Step, Steps};
 use outbox_core::store::StoreResult;
+use outbox_core::{StoreError, StoreErrorKind};
 use rusqlite::{Connection, OptionalExtension};
 
 use crate::{sql_error, DDL};
@@ -107,6 +108,9 @@ fn apply_next(conn: &Connection, steps: &Steps) -> StoreResult<bool> {
     let Some(step) = steps.after(found.version()).next() else {
         return Ok(false);
     };
+    if matches!(found, Found::Unversioned) {
+        refuse_a_foreign_outbox(conn)?;
+    }
     let mut sql = String::new();
     for s in &step.statements {
         sql.push_str(s);
@@ -127,6 +131,30 @@ fn apply_next(conn: &Connection, steps: &Steps) -> StoreResult<bool> {
         )
     })?;
     Ok(true)
+}
+
+/// An `outbox` table that is not the relay's (no `sequence_id` column): the first step's
+/// index on it failed with "no such column: sequence_id in …", the whole DDL quoted, and
+/// `migrate` again failed the same way.
+fn refuse_a_foreign_outbox(conn: &Connection) -> StoreResult<()> {
+    let columns: Vec<String> = conn
+        .prepare("SELECT name FROM pragma_table_info('outbox')")
+        .and_then(|mut stmt| stmt.query_map([], |r| r.get(0))?.collect())
+        .map_err(|e| sql_error("migrate: reading the outbox table's columns", e))?;
+    if columns.iter().any(|c| c == "sequence_id") {
+        return Ok(());
+    }
+    Err(StoreError::new(
+        StoreErrorKind::Config,
+        format!(
+            "migrate: a table named outbox already exists, with other columns ({}): it is \
+             not the relay's outbox",
+            columns.join(", ")
+        ),
+    )
+    .with_hint(
+        "rename that table, or point database_url (--database-url) at another database file",
+    ))
 }
 
 /// The recorded version, or whether the outbox table exists without one.

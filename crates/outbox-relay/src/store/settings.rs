@@ -128,11 +128,31 @@ outbox_core::settings! {
 /// from.
 impl std::fmt::Debug for DatabaseSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (outbox, nodes) = self.shown_tables();
+        f.debug_struct("DatabaseSettings")
+            .field("database_url", &self.shown_url())
+            .field("layout", &self.layout.to_string())
+            // The tables in effect: a layout's own names where none are configured.
+            .field("outbox", &outbox)
+            .field("nodes", &nodes)
+            .field("retain_delivered", &self.retain_delivered)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DatabaseSettings {
+    /// The database URL as logs and `check` show it: redacted, with the file it came from.
+    pub fn shown_url(&self) -> String {
         let url = redact_url(&self.database_url);
-        let database_url = match &self.database_url_file {
+        match &self.database_url_file {
             Some(file) => format!("{url} (from {})", file.display()),
             None => url,
-        };
+        }
+    }
+
+    /// The outbox and nodes tables in effect (a layout's own names where none are
+    /// configured), with their schema where the store has schemas.
+    pub fn shown_tables(&self) -> (String, String) {
         let tables = self.layout_tables();
         // On MySQL the default schema stands for the URL's database, and SQLite has none:
         // `public` is PostgreSQL's alone.
@@ -144,20 +164,10 @@ impl std::fmt::Debug for DatabaseSettings {
             true => table.to_string(),
             false => format!("{schema}.{table}"),
         };
-        f.debug_struct("DatabaseSettings")
-            .field("database_url", &database_url)
-            .field("layout", &self.layout.to_string())
-            // The tables in effect: a layout's own names where none are configured.
-            .field(
-                "outbox",
-                &qualified(&tables.outbox_schema, &tables.outbox_table),
-            )
-            .field(
-                "nodes",
-                &qualified(&tables.nodes_schema, &tables.nodes_table),
-            )
-            .field("retain_delivered", &self.retain_delivered)
-            .finish_non_exhaustive()
+        (
+            qualified(&tables.outbox_schema, &tables.outbox_table),
+            qualified(&tables.nodes_schema, &tables.nodes_table),
+        )
     }
 }
 

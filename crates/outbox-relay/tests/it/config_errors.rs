@@ -2004,3 +2004,19 @@ fn a_file_that_is_no_sqlite_database_is_named_as_such() {
         "{said}"
     );
 }
+
+/// A table named `outbox` that is not the relay's (an application's own): `migrate` failed
+/// with "no such column: sequence_id in …", the whole DDL quoted, and again the same way.
+#[test]
+fn migrate_names_a_foreign_outbox_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let conn = rusqlite::Connection::open(dir.path().join("outbox.db")).unwrap();
+    conn.execute_batch("CREATE TABLE outbox (id INTEGER PRIMARY KEY, payload TEXT)")
+        .unwrap();
+    drop(conn);
+    refused(
+        relay(dir.path(), &["migrate"], &[]),
+        "a table named outbox already exists, with other columns (id, payload)",
+        "rename that table",
+    );
+}
