@@ -1353,8 +1353,16 @@ fn describe_errors(
                 }
             }
             let key = e.path.join(".");
+            // A parse error names no setting: the file it is in, at least (it named neither).
+            let file = e.metadata.as_ref().and_then(|md| match &md.source {
+                Some(figment::Source::File(path)) => Some(path.display().to_string()),
+                _ => None,
+            });
             if key.is_empty() {
-                what
+                match file {
+                    Some(file) => format!("config file {file}: {what}"),
+                    None => what,
+                }
             } else {
                 format!("{}: {what}", origin(&e, &key))
             }

@@ -1437,7 +1437,8 @@ fn a_config_path_that_is_a_directory_is_refused_and_a_pipe_is_read() {
 }
 
 /// The TOML parser quotes the line it could not read, and a database URL's password went
-/// with it to the terminal and the logs. The error names the place alone.
+/// with it to the terminal and the logs. The error names the place alone: the file (it
+/// named no file) and the line.
 #[test]
 fn a_toml_syntax_error_names_its_place_without_quoting_the_line() {
     let dir = tempfile::tempdir().unwrap();
@@ -1450,6 +1451,10 @@ fn a_toml_syntax_error_names_its_place_without_quoting_the_line() {
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("line 1, column"), "{err}");
+    assert!(
+        err.contains("config file") && err.contains("bad.toml"),
+        "{err}"
+    );
     assert!(!err.contains("Hunter2Secret"), "{err}");
 }
 
