@@ -624,7 +624,12 @@ fn drain_verdict(summary: &Summary) -> anyhow::Result<()> {
             Ok(())
         }
         Some(DrainEnd::Clean { .. }) => {
-            bail!("drain incomplete: {dead}the rest was delivered{last_error}")
+            // With nothing published, "the rest was delivered" said so of nothing.
+            let rest = match summary.published {
+                0 => "nothing else was left",
+                _ => "the rest was delivered",
+            };
+            bail!("drain incomplete: {dead}{rest}{last_error}")
         }
         Some(DrainEnd::Left(left)) => {
             let waiting = left.pending - left.retrying;

@@ -2025,3 +2025,32 @@ fn migrate_names_a_foreign_outbox_table() {
         "rename that table",
     );
 }
+
+/// A drain that dead-lettered every event said "the rest was delivered", of nothing.
+#[test]
+fn a_drain_that_delivered_nothing_does_not_say_the_rest_was_delivered() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for key in ["a", "b"] {
+        let sent = relay(d, &["send", "--destination", "d", "--key", key, "{}"], &[]);
+        assert!(sent.status.success(), "{}", stderr(&sent));
+    }
+    let out = relay(
+        d,
+        &[
+            "run",
+            "--drain",
+            "--http-addr",
+            "",
+            "--sink",
+            "file:/dev/full",
+            "--max-attempts",
+            "1",
+        ],
+        &[],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("2 events were dead-lettered"), "{err}");
+    assert!(!err.contains("the rest was delivered"), "{err}");
+}
