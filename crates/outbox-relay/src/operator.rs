@@ -358,10 +358,19 @@ pub async fn replay(config: Config, args: ReplayArgs) -> anyhow::Result<ExitCode
         return Ok(ExitCode::SUCCESS);
     }
     let mut progress = Progress::new("replaying", total);
-    replay_all(&*ops, selector, |n| progress.add(n))
-        .await
-        .map_err(store_error)?;
+    let mut queued = 0;
+    replay_all(&*ops, selector, |n| {
+        queued += n;
+        progress.add(n)
+    })
+    .await
+    .map_err(store_error)?;
     progress.finish();
+    // It said only its progress line: that the rows wait for a relay went unsaid.
+    outln!(
+        "queued {queued} delivered events to go out again, under their own ids; a running \
+         relay publishes them (`outbox-relay run`)"
+    );
     Ok(ExitCode::SUCCESS)
 }
 

@@ -148,6 +148,8 @@ sink = "out"
     // Replay publishes the retained events again, with their original ids.
     let replayed = relay(d, &["replay", "--since", "1h"]);
     assert!(String::from_utf8_lossy(&replayed.stderr).contains("replaying: 3/3 (100%)"));
+    // And what it did, which only the progress line told.
+    assert!(stdout(&replayed).contains("queued 3 delivered events to go out again"));
     // The event moved back from the dead letters still has no route: left retrying, exit 1.
     assert_eq!(drain(d).status.code(), Some(1));
     let out = std::fs::read_to_string(d.join("out.jsonl")).unwrap();
