@@ -934,14 +934,6 @@ impl OutboxStore for SqliteStore {
                     problems.extend(verify_outbox_columns(conn)?);
                 }
             }
-            // A database the relay may read but not write: `check` said ok, and `run`
-            // failed at once on its first write.
-            if let Some(why) = unwritable(conn) {
-                problems.push(Problem::blocking(
-                    format!("the relay cannot write the database: {why}"),
-                    READ_ONLY_HINT,
-                ));
-            }
             Ok(problems)
         })
     }
@@ -949,6 +941,22 @@ impl OutboxStore for SqliteStore {
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
         let path = self.path.clone();
         Some(watch_data_version(path, on_change).boxed())
+    }
+}
+
+impl SqliteStore {
+    /// A database the relay may read but not write, for `check` alone (`verify` serves every
+    /// command, and `stats` or `dead list` read a database the relay may not write): `check`
+    /// said ok, and `run` failed at once on its first write.
+    pub fn unwritable_problem(&self) -> StoreFuture<Option<Problem>> {
+        self.with_conn(|conn| {
+            Ok(unwritable(conn).map(|why| {
+                Problem::blocking(
+                    format!("the relay cannot write the database: {why}"),
+                    READ_ONLY_HINT,
+                )
+            }))
+        })
     }
 }
 

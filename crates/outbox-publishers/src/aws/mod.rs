@@ -878,12 +878,14 @@ pub fn classify(status: Option<u16>, code: &str, message: &str, what: &str) -> P
              the relay: give it fresh ones and restart it, or use a role (web identity, \
              container or instance credentials), which it renews"
         }
-        (_, "RequestExpired" | "RequestTimeTooSkewed") => {
-            ": the host's clock is off: check its time synchronisation (NTP)"
-        }
-        (_, "InvalidSignatureException" | "SignatureDoesNotMatch") if kind == Unavailable => {
-            ": the host's clock is off: check its time synchronisation (NTP)"
-        }
+        // A signature refused as expired is the clock's too (classified unavailable above).
+        (
+            Unavailable,
+            "RequestExpired"
+            | "RequestTimeTooSkewed"
+            | "InvalidSignatureException"
+            | "SignatureDoesNotMatch",
+        ) => ": the host's clock is off: check its time synchronisation (NTP)",
         (_, "UnsupportedOperation" | "UnknownOperationException" | "InvalidAction") => {
             ": the sink's endpoint does not serve this API: check its `endpoint` and URI"
         }

@@ -525,13 +525,24 @@ impl AnyStore {
 
     /// What only `check` looks for, beside [`AnyStore::verify`]: looks that touch a WAL
     /// capture's slot ([`outbox_wal::decoding_problems`]), which a relay's every start
-    /// should not.
+    /// should not, and whether the relay may write an SQLite database (which `stats` and
+    /// `dead list` need not).
     pub async fn check_only_problems(&self) -> Vec<outbox_core::store::Problem> {
         match self {
             AnyStore::PostgresWal(s, capture) => {
                 let source = capture.source.as_deref().map(CapturedTable::source);
                 outbox_wal::decoding_problems(s, &capture.publication, &capture.slot, source).await
             }
+            AnyStore::Sqlite(s) => match s.unwritable_problem().await {
+                Ok(problem) => problem.into_iter().collect(),
+                Err(e) => vec![outbox_core::store::Problem::blocking(
+                    format!(
+                        "could not tell whether the relay may write the database: {}",
+                        e.report()
+                    ),
+                    outbox_store_sqlite::READ_ONLY_HINT,
+                )],
+            },
             _ => Vec::new(),
         }
     }

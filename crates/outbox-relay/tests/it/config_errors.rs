@@ -1907,6 +1907,13 @@ fn check_fails_a_sqlite_database_the_relay_cannot_write() {
         said.contains("the relay cannot write the database") && said.contains("chmod"),
         "{said}"
     );
+    // What only reads needs no write: `stats` serves a database it may only read.
+    let stats = relay(
+        dir.path(),
+        &["stats", "--database-url", "sqlite:file:outbox.db?mode=ro"],
+        &[],
+    );
+    assert!(stats.status.success(), "{}", stderr(&stats));
     let writable = relay(dir.path(), &["check"], &[]);
     let said = format!(
         "{}{}",
